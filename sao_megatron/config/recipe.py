@@ -1,0 +1,266 @@
+"""The root recipe: sections, loading from TOML, dotted overrides, presets, cross-field checks."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+from .presets import ADVANTAGES, GROUP_ADVANTAGES, LOSSES, PRESETS
+from .schema import (SECTIONS, AlgorithmConfig, CheckpointConfig, CriticConfig, EvalConfig, LaunchConfig,
+                     LoggingConfig, ModelConfig, ParallelConfig, RolloutConfig, RunConfig, WeightSyncConfig)
+
+
+@dataclass
+class Recipe:
+    """A whole run. Build it with `load_recipe` so presets and checks are applied."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    source: str = ""  # the recipe file this came from (not a recipe key)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.output_dir) / self.run.name
+
+    def check(self, check_files: bool = True) -> None:
+        """Section checks, then the cross-field checks. Raises ConfigError."""
+        for name in SECTIONS:
+            getattr(self, name).check(name)
+        self._check_algorithm()
+        self._check_parallel()
+        if check_files:
+            self._check_files()
+
+    def _check_algorithm(self) -> None:
+        algo, rollout = self.algorithm, self.rollout
+        if algo.loss not in LOSSES and ":" not in algo.loss:
+            raise ConfigError("algorithm.loss", f"unknown loss {algo.loss!r}",
+                              f"use one of {', '.join(LOSSES)} or an import path 'pkg.mod:fn'")
+        if algo.advantage not in ADVANTAGES:
+            raise ConfigError("algorithm.advantage", f"unknown estimator {algo.advantage!r}",
+                              f"use one of {', '.join(ADVANTAGES)}")
+        if algo.advantage in GROUP_ADVANTAGES and (rollout.mode != "group" or rollout.n_samples_per_prompt < 2):
+            raise ConfigError("rollout.n_samples_per_prompt",
+                              f"group baseline {algo.advantage!r} needs groups of >= 2, got mode="
+                              f"{rollout.mode} n={rollout.n_samples_per_prompt}",
+                              "set rollout.mode='group' and rollout.n_samples_per_prompt >= 2, or use algorithm.name='sao'")
+        if algo.advantage == "gae" and not self.critic.enabled:
+            raise ConfigError("critic.enabled", "GAE advantages need a value model",
+                              "set critic.enabled = true or pick a group advantage")
+        if rollout.mode == "group" and rollout.batch_size % rollout.n_samples_per_prompt:
+            raise ConfigError("rollout.batch_size", f"{rollout.batch_size} is not a multiple of the group size "
+                              f"{rollout.n_samples_per_prompt}", "make batch_size a multiple of n_samples_per_prompt")
+        if algo.mini_batches > rollout.batch_size:
+            raise ConfigError("algorithm.mini_batches", f"{algo.mini_batches} > rollout.batch_size "
+                              f"{rollout.batch_size}", "use at most batch_size mini-batches")
+
+    def _check_parallel(self) -> None:
+        par = self.parallel
+        base = par.tp * par.pp * par.cp
+        world = par.resolved_world_size()
+        if world % base:
+            raise ConfigError("parallel.world_size", f"{world} is not divisible by tp*pp*cp = {base}",
+                              "make world_size a multiple of tp*pp*cp")
+        if par.dp and par.world_size and par.dp * base != par.world_size:
+            raise ConfigError("parallel.dp", f"tp*pp*cp*dp = {par.dp * base} != world_size {par.world_size}",
+                              "set parallel.dp = 0 (auto) or make the product equal world_size")
+        etp = par.etp or par.tp
+        if (world // par.pp) % (par.ep * etp):
+            raise ConfigError("parallel.ep", f"ep*etp = {par.ep * etp} does not divide world_size/pp = "
+                              f"{world // par.pp}", "choose ep so that ep*etp divides the ranks of one stage")
+        if self.model.fp8 != "none" and self.model.transformer_impl == "local":
+            raise ConfigError("model.fp8", "FP8 needs Transformer Engine layers",
+                              "set model.transformer_impl = 'auto' or 'transformer_engine', or model.fp8 = 'none'")
+
+    def _check_files(self) -> None:
+        model_dir = Path(self.model.path)
+        if not (model_dir / "config.json").is_file() and not self.model.init_preset:
+            raise ConfigError("model.path", f"{model_dir} has no config.json",
+                              f"run `sao init-model --arch {self.model.arch} --preset tiny {model_dir}` "
+                              "or set model.init_preset = 'tiny'")
+        if (model_dir / "config.json").is_file():
+            check_model_fits_layout(self, json.loads((model_dir / "config.json").read_text()))
+        if self.rollout.dataset and not Path(self.rollout.dataset).is_file():
+            raise ConfigError("rollout.dataset", f"{self.rollout.dataset} does not exist",
+                              "point it at a jsonl or parquet file, or clear it to use rollout.task")
+        _check_writable(Path(self.run.output_dir))
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out.pop("source")
+        return out
+
+    def dump(self, run_dir: Path) -> Path:
+        """Write the resolved recipe (every value, presets applied) into the run directory."""
+        run_dir.mkdir(parents=True, exist_ok=True)
+        import tomli_w  # small, pure python; only needed to write
+
+        target = run_dir / "resolved_recipe.toml"
+        target.write_text(tomli_w.dumps(_drop_none(self.to_dict())))
+        return target
+
+
+def check_model_fits_layout(recipe: Recipe, hf: dict) -> None:
+    """Divisibility of heads, experts and layers by the layout, from the HF config.json alone."""
+    par = recipe.parallel
+    heads = hf.get("num_attention_heads", 0)
+    kv = hf.get("num_key_value_heads", heads)
+    experts = hf.get("num_experts") or hf.get("n_routed_experts") or hf.get("num_local_experts") or 0
+    layers = hf.get("num_hidden_layers", 0)
+    if heads and (heads % par.tp or kv % par.tp):
+        raise ConfigError("parallel.tp", f"tp={par.tp} does not divide attention heads {heads} / kv heads {kv}",
+                          "choose tp dividing both head counts")
+    if experts and experts % par.ep:
+        raise ConfigError("parallel.ep", f"ep={par.ep} does not divide {experts} experts", "choose ep dividing it")
+    if layers and layers % (par.pp * par.vpp):
+        raise ConfigError("parallel.pp", f"pp*vpp = {par.pp * par.vpp} does not divide {layers} layers",
+                          "choose pp and vpp so that every stage gets whole layers")
+    if recipe.model.max_seq_len > hf.get("max_position_embeddings", 1 << 30):
+        raise ConfigError("model.max_seq_len", f"{recipe.model.max_seq_len} exceeds the model's "
+                          f"max_position_embeddings {hf['max_position_embeddings']}", "lower model.max_seq_len")
+
+
+def _check_writable(directory: Path) -> None:
+    probe = directory
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError("run.output_dir", f"{directory} is not writable (stopped at {probe})",
+                          "point run.output_dir at a directory you can write")
+
+
+def _drop_none(value):
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    return value
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def load_recipe(path: str | os.PathLike | None, overrides: list[str] = (), check_files: bool = True) -> Recipe:
+    """Read a TOML recipe, apply dotted overrides and the algorithm preset, build and check it."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError("recipe", f"{path} does not exist", "pass the path of a .toml recipe")
+        try:
+            raw = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError("recipe", f"{path} is not valid TOML ({err})", "fix the TOML syntax") from None
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_dotted(raw, key, value)
+    _apply_preset(raw)
+    recipe = build_recipe(raw)
+    recipe.source = str(path or "")
+    recipe.check(check_files=check_files)
+    return recipe
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """'a.b=1' or '--a.b=1' -> ('a.b', 1). The value is read as TOML, else kept as a string."""
+    text = item[2:] if item.startswith("--") else item
+    if "=" not in text:
+        raise ConfigError(item, "override has no '='", "write overrides as section.key=value")
+    key, value = text.split("=", 1)
+    try:
+        parsed = tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        parsed = value
+    return key.strip(), parsed
+
+
+def _set_dotted(raw: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    if len(parts) != 2:
+        raise ConfigError(key, "override keys have the form section.key", "e.g. algorithm.lr=1e-6")
+    raw.setdefault(parts[0], {})
+    if not isinstance(raw[parts[0]], dict):
+        raise ConfigError(parts[0], "is not a section", f"use one of {', '.join(SECTIONS)}")
+    raw[parts[0]][parts[1]] = value
+
+
+def _apply_preset(raw: dict) -> None:
+    name = raw.get("algorithm", {}).get("name", AlgorithmConfig.name)
+    if name not in PRESETS:
+        raise ConfigError("algorithm.name", f"unknown algorithm {name!r}", f"use one of {', '.join(PRESETS)}")
+    for dotted, value in PRESETS[name].items():
+        section, key = dotted.split(".")
+        raw.setdefault(section, {}).setdefault(key, value)
+
+
+def build_recipe(raw: dict) -> Recipe:
+    sections = {}
+    for name, value in raw.items():
+        if name not in SECTIONS:
+            raise ConfigError(name, "unknown section" + _suggest(name, SECTIONS),
+                              f"use one of {', '.join(SECTIONS)}")
+        if not isinstance(value, dict):
+            raise ConfigError(name, f"is a {type(value).__name__}, not a table", f"write it as [{name}]")
+        sections[name] = _build_section(name, SECTIONS[name], value)
+    return Recipe(**sections)
+
+
+def _build_section(section: str, cls, values: dict):
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        name = f"{section}.{key}"
+        if key not in known:
+            raise ConfigError(name, "unknown key" + _suggest(key, known), f"remove it; valid keys: {', '.join(sorted(known))}")
+        kwargs[key] = coerce(name, value, hints[key])
+    return cls(**kwargs)
+
+
+def _suggest(word: str, options) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def coerce(name: str, value: Any, hint) -> Any:
+    """Check `value` against a type hint; ints are accepted as floats, nothing else is converted."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is typing.Union:
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return coerce(name, value, inner[0])
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(name, f"{value!r} is not allowed" + _suggest(str(value), [str(a) for a in args]),
+                              f"use one of {', '.join(repr(a) for a in args)}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(name, f"expected a number, got {type(value).__name__} {value!r}", "write a number like 0.5")
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ConfigError(name, f"{value} is not finite", "write a finite number")
+        return float(value)
+    expected = {int: "an integer", bool: "true or false", str: "a string", list: "a list", dict: "a table"}
+    if hint in expected:
+        ok = isinstance(value, hint) and not (hint is int and isinstance(value, bool))
+        if not ok:
+            raise ConfigError(name, f"expected {expected[hint]}, got {type(value).__name__} {value!r}",
+                              f"write {expected[hint]}")
+        return value
+    raise TypeError(f"unsupported recipe type {hint} for {name}")

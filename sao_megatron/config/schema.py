@@ -1,0 +1,302 @@
+"""Typed recipe sections. Imports nothing but the standard library (no torch, no Megatron).
+
+Every field carries its documentation in ``metadata["doc"]`` (shown by ``sao train --help-recipe``).
+Each section checks its own ranges in ``check()``; checks that span sections live on ``Recipe``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from .errors import ConfigError
+
+
+def doc(default, text: str):
+    """A dataclass field with a default and a docstring."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": text})
+    return field(default=default, metadata={"doc": text})
+
+
+def _require(cond: bool, name: str, problem: str, fix: str) -> None:
+    if not cond:
+        raise ConfigError(name, problem, fix)
+
+
+@dataclass
+class RunConfig:
+    name: str = doc("sao-run", "Run name; the run directory is <output_dir>/<name>.")
+    output_dir: str = doc("runs", "Parent directory of run directories.")
+    seed: int = doc(1234, "Global seed for sampling, data order and initialisation.")
+    num_steps: int = doc(100, "Optimizer steps of the policy (critic warm-up steps not included).")
+    debug: Literal["none", "rollout-only", "train-only"] = doc(
+        "none", "rollout-only saves rollouts without training; train-only trains from debug_dir.")
+    debug_dir: str = doc("", "Saved rollouts to train from (debug = train-only).")
+
+    def check(self, p: str) -> None:
+        _require(bool(self.name) and "/" not in self.name, f"{p}.name",
+                 f"{self.name!r} is empty or contains '/'", "use a plain name like 'tiny-sao'")
+        _require(self.num_steps >= 0, f"{p}.num_steps", f"{self.num_steps} < 0", "use 0 or more")
+        _require(self.debug != "train-only" or bool(self.debug_dir), f"{p}.debug_dir",
+                 "train-only needs saved rollouts", "set run.debug_dir to a rollout-only run's rollouts dir")
+
+
+@dataclass
+class ModelConfig:
+    path: str = doc("", "HF model directory (config.json + safetensors + tokenizer).")
+    arch: Literal["qwen3_moe", "glm4_moe", "glm5"] = doc("qwen3_moe", "Architecture family.")
+    init_preset: str = doc("", "If set and `path` does not exist, `sao init-model` creates it with this preset (tiny).")
+    dtype: Literal["fp32", "bf16"] = doc("fp32", "Parameter dtype of the trainer (fp32 on CPU).")
+    max_seq_len: int = doc(512, "Longest prompt + response the trainer accepts.")
+    fp8: Literal["none", "delayed", "tensorwise", "blockwise", "mxfp8"] = doc(
+        "none", "FP8 recipe through Transformer Engine (GPU only).")
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = doc(
+        "auto", "Layer spec: auto = Transformer Engine when CUDA and TE are present, else local.")
+    recompute: Literal["none", "selective", "full"] = doc("none", "Activation recomputation.")
+
+    def check(self, p: str) -> None:
+        _require(bool(self.path), f"{p}.path", "no model directory given",
+                 "set model.path (create one with `sao init-model --arch qwen3_moe --preset tiny DIR`)")
+        _require(self.max_seq_len > 0, f"{p}.max_seq_len", f"{self.max_seq_len} <= 0", "use a positive length")
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = doc(1, "Tensor parallel size.")
+    pp: int = doc(1, "Pipeline parallel size.")
+    vpp: int = doc(1, "Virtual pipeline stages per pipeline rank (interleaved 1F1B).")
+    ep: int = doc(1, "Expert parallel size.")
+    etp: int = doc(0, "Expert tensor parallel size; 0 = same as tp (leave it unless you mean it).")
+    cp: int = doc(1, "Context parallel size.")
+    dp: int = doc(0, "Data parallel size; 0 = world_size / (tp*pp*cp).")
+    world_size: int = doc(0, "Trainer ranks; 0 = tp*pp*cp*max(dp,1).")
+    sequence_parallel: bool = doc(True, "Sequence parallel under TP (forced on for MoE with tp > 1).")
+    micro_batch_tokens: int = doc(4096, "Token budget of one packed micro-batch.")
+    dispatcher: Literal["alltoall", "allgather"] = doc("alltoall", "MoE token dispatcher.")
+    distributed_optimizer: bool = doc(False, "Megatron distributed optimizer (GPU).")
+    launcher: Literal["auto", "torchrun", "mpirun", "none"] = doc(
+        "auto", "How `sao train` starts ranks on one machine when world_size > 1.")
+
+    def check(self, p: str) -> None:
+        for name in ("tp", "pp", "vpp", "ep", "cp"):
+            value = getattr(self, name)
+            _require(value >= 1, f"{p}.{name}", f"{value} < 1", "use 1 or more")
+        for name in ("etp", "dp", "world_size"):
+            value = getattr(self, name)
+            _require(value >= 0, f"{p}.{name}", f"{value} < 0", "use 0 (auto) or more")
+        _require(self.micro_batch_tokens >= 16, f"{p}.micro_batch_tokens",
+                 f"{self.micro_batch_tokens} is too small", "use at least model.max_seq_len tokens")
+        _require(self.vpp == 1 or self.pp > 1, f"{p}.vpp", "virtual pipeline needs pp > 1",
+                 "set parallel.pp > 1 or parallel.vpp = 1")
+
+    def resolved_world_size(self) -> int:
+        base = self.tp * self.pp * self.cp
+        if self.world_size:
+            return self.world_size
+        return base * max(self.dp, 1)
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["reference", "sglang"] = doc("reference", "Engine kind: reference CPU server or SGLang.")
+    engine_urls: list = doc([], "URLs of running engines; empty = start num_engines engines locally.")
+    num_engines: int = doc(1, "Engines to start when engine_urls is empty.")
+    host: str = doc("127.0.0.1", "Host the started engines bind to.")
+    port: int = doc(0, "First engine port; 0 = pick free ports.")
+    api_key: str = doc("", "API key the engines require ('' = generate one per run).")
+    engine_tp: int = doc(1, "SGLang: tensor parallel size per engine.")
+    engine_ep: int = doc(1, "SGLang: expert parallel size per engine.")
+    engine_dp_attention: int = doc(0, "SGLang: dp-attention size (0 = off).")
+    mem_fraction: float = doc(0.7, "SGLang: --mem-fraction-static.")
+    engine_fp8: bool = doc(False, "SGLang: serve FP8 weights (--quantization fp8).")
+    mode: Literal["single", "group"] = doc("single", "single: one rollout per prompt (SAO); group: n per prompt.")
+    n_samples_per_prompt: int = doc(1, "Rollouts per prompt in group mode.")
+    batch_size: int = doc(16, "Samples per policy step (SAO paper: 128).")
+    max_in_flight: int = doc(32, "Requests kept in flight across all engines.")
+    temperature: float = doc(1.0, "Sampling temperature (> 0; RL needs a stochastic policy).")
+    top_p: float = doc(1.0, "Nucleus sampling p in (0, 1].")
+    top_k: int = doc(-1, "Top-k sampling; -1 = off.")
+    max_new_tokens: int = doc(64, "Response token budget per turn.")
+    max_prompt_len: int = doc(256, "Prompts longer than this are rejected by policy bad_row.")
+    staleness_bound: int = doc(4, "Drop/regenerate samples whose oldest token is more than tau versions old.")
+    stale_policy: Literal["drop", "regenerate"] = doc("drop", "What to do with a sample over the staleness bound.")
+    update_mode: Literal["in_place", "retract", "abort"] = doc(
+        "in_place", "What in-flight requests do during a weight update (SGLang pause mode).")
+    request_timeout_s: float = doc(600.0, "Timeout of one generate call.")
+    task: str = doc("countdown", "Built-in task (countdown, arithmetic, copy, online) or '' to use dataset.")
+    dataset: str = doc("", "Prompt file (jsonl or parquet) with a 'prompt' field (and 'answer').")
+    bad_row: Literal["skip", "fail"] = doc("skip", "A malformed dataset row is reported and skipped, or fails the run.")
+    reward_fn: str = doc("", "Reward function import path 'pkg.mod:fn'; '' = the task's own.")
+    reward_timeout_s: float = doc(10.0, "Timeout of one reward call; a timeout marks the sample failed.")
+
+    def check(self, p: str) -> None:
+        _require(self.temperature > 0, f"{p}.temperature",
+                 f"{self.temperature} <= 0 is greedy decoding, not a valid RL policy", "use 1.0 (the SAO setting)")
+        _require(0 < self.top_p <= 1, f"{p}.top_p", f"{self.top_p} not in (0, 1]", "use 1.0")
+        _require(self.n_samples_per_prompt >= 1, f"{p}.n_samples_per_prompt", "< 1", "use 1 or more")
+        _require(self.batch_size >= 1, f"{p}.batch_size", f"{self.batch_size} < 1", "use 1 or more")
+        _require(self.max_in_flight >= 1, f"{p}.max_in_flight", f"{self.max_in_flight} < 1", "use 1 or more")
+        _require(self.max_new_tokens >= 1, f"{p}.max_new_tokens", f"{self.max_new_tokens} < 1", "use 1 or more")
+        _require(self.staleness_bound >= 0, f"{p}.staleness_bound", f"{self.staleness_bound} < 0", "use 0 or more")
+        _require(self.num_engines >= 1 or bool(self.engine_urls), f"{p}.num_engines",
+                 "no engines", "set rollout.num_engines >= 1 or list rollout.engine_urls")
+        _require(self.request_timeout_s > 0, f"{p}.request_timeout_s", "<= 0", "use a positive timeout")
+        _require(bool(self.task) or bool(self.dataset), f"{p}.dataset", "neither task nor dataset is set",
+                 "set rollout.task (e.g. countdown) or rollout.dataset to a jsonl file")
+        _require(0 <= self.port < 65536, f"{p}.port", f"{self.port} out of range", "use 0 (auto) or 1024-65535")
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = doc("sao", "Preset: sao, grpo, grpo_dis, gspo, gspo_token, dapo, drgrpo, rloo, reinforce_pp, ppo.")
+    loss: str = doc("", "Policy loss (dis, ppo, gspo, gspo_token, cispo) or 'pkg.mod:fn'; '' = preset's.")
+    advantage: str = doc("", "Advantage estimator (gae, grpo, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline).")
+    eps_low: Optional[float] = doc(None, "Lower band/clip: ratio must exceed 1 - eps_low.")
+    eps_high: Optional[float] = doc(None, "Upper band/clip: ratio must stay below 1 + eps_high. Never defaults to eps_low.")
+    dual_clip: Optional[float] = doc(None, "PPO dual-clip constant c > 1 (None = off).")
+    normalize_over: Literal["all", "kept"] = doc(
+        "all", "DIS normaliser: all action tokens (default) or only tokens inside the band.")
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = doc(
+        "token-mean", "Loss aggregation, normalised by global counts across micro-batches and DP ranks.")
+    gamma: float = doc(1.0, "Discount.")
+    lambda_actor: Optional[float] = doc(None, "Policy GAE lambda; None = length-adaptive 1 - 1/(alpha*l).")
+    lambda_critic: float = doc(1.0, "Critic target lambda (SAO: 1.0, Monte-Carlo returns).")
+    alpha: float = doc(1.5, "Length-adaptive lambda constant.")
+    kl_coef: float = doc(0.0, "KL penalty coefficient against the reference policy (SAO: 0).")
+    kl_estimator: Literal["k1", "k2", "k3"] = doc("k3", "KL estimator.")
+    entropy_coef: float = doc(0.0, "Entropy bonus (SAO: 0).")
+    correction: Literal["none", "tis", "mis", "icepop"] = doc("none", "Train/inference mismatch correction.")
+    correction_low: float = doc(0.5, "MIS lower bound / IcePop alpha.")
+    correction_high: float = doc(2.0, "TIS cap C / MIS upper bound / IcePop beta.")
+    correction_level: Literal["token", "sequence"] = doc("token", "MIS granularity.")
+    dynamic_sampling: bool = doc(False, "Group mode: drop groups whose rewards are all equal.")
+    overlong_max: int = doc(0, "DAPO overlong shaping L_max (0 = off).")
+    overlong_cache: int = doc(0, "DAPO overlong shaping L_cache.")
+    lr: float = doc(1e-6, "Policy learning rate (SAO: 1e-6 constant).")
+    weight_decay: float = doc(0.0, "AdamW weight decay.")
+    adam_beta1: float = doc(0.9, "Adam beta1.")
+    adam_beta2: float = doc(0.999, "Adam beta2.")
+    grad_clip: float = doc(1.0, "Max global grad norm (0 = off).")
+    mini_batches: int = doc(1, "Optimizer steps per rollout batch (GSPO: 4).")
+
+    def check(self, p: str) -> None:
+        for name in ("eps_low", "eps_high"):
+            value = getattr(self, name)
+            _require(value is not None, f"{p}.{name}", "is unset (it never defaults to the other side)",
+                     f"set {p}.{name} explicitly, or pick a preset with {p}.name")
+            _require(value > 0, f"{p}.{name}", f"{value} <= 0", "use a positive band width")
+        _require(self.eps_low < 1 or self.loss not in ("dis", "ppo"), f"{p}.eps_low",
+                 f"{self.eps_low} >= 1 empties the lower band", "use a value in (0, 1)")
+        _require(0 <= self.gamma <= 1, f"{p}.gamma", f"{self.gamma} not in [0, 1]", "use 1.0")
+        _require(self.lambda_actor is None or 0 <= self.lambda_actor <= 1, f"{p}.lambda_actor",
+                 "not in [0, 1]", "use a value in [0, 1] or leave unset for length-adaptive")
+        _require(0 <= self.lambda_critic <= 1, f"{p}.lambda_critic", "not in [0, 1]", "use 1.0")
+        _require(self.alpha > 0, f"{p}.alpha", f"{self.alpha} <= 0", "use 1.5")
+        _require(self.lr > 0, f"{p}.lr", f"{self.lr} <= 0", "use a positive learning rate such as 1e-6")
+        _require(self.mini_batches >= 1, f"{p}.mini_batches", "< 1", "use 1 or more")
+        _require(self.dual_clip is None or self.dual_clip > 1, f"{p}.dual_clip", "must be > 1", "use 3.0 or unset")
+        _require(self.correction_low < self.correction_high, f"{p}.correction_low",
+                 "is not below correction_high", "use e.g. 0.5 and 2.0")
+
+
+@dataclass
+class CriticConfig:
+    enabled: bool = doc(True, "Train a value model (SAO). Group baselines need none.")
+    lr: float = doc(5e-6, "Critic learning rate (SAO: 5e-6).")
+    updates_per_step: int = doc(2, "Critic updates per policy update (SAO two-timescale: K = 2).")
+    warmup_steps: int = doc(10, "Critic-only steps before the first policy update.")
+    freeze_attention: bool = doc(True, "Train only MoE/expert projections, norms and the value head.")
+    init_from_policy: bool = doc(True, "Initialise the critic backbone from the policy weights.")
+    value_clip: Optional[float] = doc(None, "Value clipping range (None = plain masked MSE).")
+    pretrain_steps: int = doc(0, "Value pretraining steps on the initial policy before training.")
+
+    def check(self, p: str) -> None:
+        _require(self.lr > 0, f"{p}.lr", f"{self.lr} <= 0", "use 5e-6")
+        _require(self.updates_per_step >= 1, f"{p}.updates_per_step", "< 1", "use 2 (SAO)")
+        _require(self.warmup_steps >= 0, f"{p}.warmup_steps", "< 0", "use 0 or more")
+        _require(self.pretrain_steps >= 0, f"{p}.pretrain_steps", "< 0", "use 0 or more")
+
+
+@dataclass
+class WeightSyncConfig:
+    method: Literal["broadcast", "disk"] = doc("broadcast", "Broadcast over a process group, or HF shards on disk.")
+    backend: Literal["auto", "gloo", "nccl"] = doc("auto", "Collective backend: auto = nccl with CUDA, else gloo.")
+    bucket_mb: float = doc(64.0, "Flattened bucket size in MiB.")
+    pause_mode: Literal["in_place", "retract", "abort"] = doc("in_place", "Engine pause mode during a sync.")
+    timeout_s: float = doc(120.0, "Timeout of every step of a sync; a dead engine is named within it.")
+    check_equal: bool = doc(False, "After each sync compare engine tensors against the trainer's (slow).")
+    disk_dir: str = doc("", "Directory for the disk method ('' = <run_dir>/weights).")
+
+    def check(self, p: str) -> None:
+        _require(self.bucket_mb > 0, f"{p}.bucket_mb", f"{self.bucket_mb} <= 0", "use e.g. 64")
+        _require(self.timeout_s > 0, f"{p}.timeout_s", f"{self.timeout_s} <= 0", "use e.g. 120")
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = doc(0, "Save every N steps (0 = only at the end and on a signal).")
+    keep_last: int = doc(2, "Checkpoints kept.")
+    resume: str = doc("auto", "auto = latest in the run dir if any; never; or a checkpoint path.")
+    save_on_signal: bool = doc(True, "SIGTERM/SIGUSR1 save at the next safe point, then exit cleanly.")
+
+    def check(self, p: str) -> None:
+        _require(self.interval >= 0, f"{p}.interval", "< 0", "use 0 or more")
+        _require(self.keep_last >= 1, f"{p}.keep_last", f"{self.keep_last} < 1", "keep at least 1")
+
+
+@dataclass
+class LoggingConfig:
+    wandb: bool = doc(True, "Log to wandb (offline unless WANDB_API_KEY is set or wandb_mode says online).")
+    wandb_project: str = doc("sao-megatron", "wandb project.")
+    wandb_mode: Literal["auto", "offline", "online", "disabled"] = doc("auto", "auto = online only with an API key.")
+    console: bool = doc(True, "Console progress bar.")
+    plot: bool = doc(True, "Write curves.png (reward, value loss, clip fractions) at the end.")
+
+    def check(self, p: str) -> None:
+        pass
+
+
+@dataclass
+class EvalConfig:
+    interval: int = doc(0, "Evaluate every N steps (0 = off).")
+    datasets: list = doc([], "Held-out jsonl files with 'prompt' and 'answer'.")
+    k: int = doc(4, "Samples per problem for avg@k / pass@k.")
+    max_problems: int = doc(0, "Evaluate at most this many problems per set (0 = all).")
+
+    def check(self, p: str) -> None:
+        _require(self.interval >= 0, f"{p}.interval", "< 0", "use 0 or more")
+        _require(self.k >= 1, f"{p}.k", f"{self.k} < 1", "use 1 or more")
+
+
+@dataclass
+class LaunchConfig:
+    nodes: int = doc(1, "Nodes in the allocation.")
+    trainer_nodes: int = doc(0, "Nodes for trainer ranks (0 = nodes - rollout_nodes).")
+    rollout_nodes: int = doc(0, "Nodes for rollout engines (0 = colocated with the trainer).")
+    gpus_per_node: int = doc(8, "GPUs per node (0 on CPU).")
+    partition: str = doc("", "slurm partition.")
+    account: str = doc("", "slurm account.")
+    time_limit: str = doc("04:00:00", "slurm --time.")
+    requeue: bool = doc(True, "Requeue on preemption (checkpoint on SIGUSR1 first).")
+    signal_seconds: int = doc(120, "Seconds before the time limit that slurm sends SIGUSR1.")
+    container: str = doc("", "Container image for srun --container-image ('' = none).")
+    env: dict = doc({}, "Extra environment for every rank (e.g. NCCL settings).")
+    python: str = doc("python", "Python interpreter on the nodes.")
+
+    def check(self, p: str) -> None:
+        _require(self.nodes >= 1, f"{p}.nodes", f"{self.nodes} < 1", "use 1 or more")
+        _require(self.rollout_nodes < self.nodes or self.rollout_nodes == 0, f"{p}.rollout_nodes",
+                 f"{self.rollout_nodes} leaves no trainer node of {self.nodes}", "lower it or add nodes")
+        _require(self.gpus_per_node >= 0, f"{p}.gpus_per_node", "< 0", "use 0 (CPU) or more")
+
+
+SECTIONS = {
+    "run": RunConfig, "model": ModelConfig, "parallel": ParallelConfig, "rollout": RolloutConfig,
+    "algorithm": AlgorithmConfig, "critic": CriticConfig, "weight_sync": WeightSyncConfig,
+    "checkpoint": CheckpointConfig, "logging": LoggingConfig, "eval": EvalConfig, "launch": LaunchConfig,
+}
+
+
+def field_docs(cls) -> dict:
+    return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls)}

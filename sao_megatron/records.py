@@ -1,0 +1,141 @@
+"""The typed records that travel along each arrow of the data flow (docs/architecture.md).
+
+Conventions, used everywhere:
+- A sample's tokens are ``prompt_ids + response_ids``. Per-response-token lists (``loss_mask``,
+  ``rollout_logprobs``, ``weight_versions``) have ``len(response_ids)`` entries.
+- ``loss_mask`` is 1 for tokens the policy generated (actions) and 0 for observation tokens an
+  environment inserted (tool output): they stay in the context but get no loss, value or reward.
+- ``routed_experts`` is what SGLang returns: int32 ``[len(prompt_ids) + len(response_ids) - 1,
+  num_moe_layers, top_k]``, the experts each token position was routed to.
+- In a TrainBatch, position t of a row holds token t, and per-token values at t (logprob, mask,
+  advantage) refer to predicting token t from tokens < t. Position 0 never has a loss.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+
+class SampleStatus(str, enum.Enum):
+    PENDING = "pending"        # created, not yet generated
+    COMPLETED = "completed"    # finished with a stop token
+    TRUNCATED = "truncated"    # hit max_new_tokens or the context budget
+    ABORTED = "aborted"        # engine aborted it (partial tokens may be kept for resumption)
+    FAILED = "failed"          # reward or environment failed; `metadata["error"]` says why
+
+
+@dataclass
+class Sample:
+    """One rollout of one prompt."""
+
+    uid: str                                   # unique and stable across retries and resumes
+    prompt_index: int                          # position of the prompt in the prompt stream
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    rollout_logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    routed_experts: Optional[torch.Tensor] = None
+    reward: Optional[float] = None
+    reward_info: dict = field(default_factory=dict)
+    status: SampleStatus = SampleStatus.PENDING
+    group_id: int = 0                          # samples of one prompt share it (group mode)
+    prompt_text: str = ""
+    response_text: str = ""
+    label: Any = None                          # the answer / target the reward checks against
+    metadata: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def oldest_version(self) -> int:
+        return min(self.weight_versions) if self.weight_versions else -1
+
+    def staleness(self, current_version: int) -> int:
+        """Versions between the oldest token of this sample and the trainer's current weights."""
+        return current_version - self.oldest_version if self.weight_versions else 0
+
+    def check(self) -> None:
+        """Raise ValueError (naming the sample and field) if per-token lists disagree in length."""
+        n = len(self.response_ids)
+        for name in ("loss_mask", "rollout_logprobs", "weight_versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"sample {self.uid}: {name} has {len(getattr(self, name))} entries, "
+                                 f"response_ids has {n}")
+        if self.routed_experts is not None and self.routed_experts.shape[0] != max(self.num_tokens - 1, 0):
+            raise ValueError(f"sample {self.uid}: routed_experts has {self.routed_experts.shape[0]} rows, "
+                             f"expected {self.num_tokens - 1}")
+
+    def to_dict(self) -> dict:
+        """JSON-safe form (for rollout dumps and checkpoints)."""
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "routed_experts"}
+        out["status"] = self.status.value
+        if self.routed_experts is not None:
+            out["routed_experts"] = self.routed_experts.tolist()
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Sample":
+        data = dict(data)
+        data["status"] = SampleStatus(data.get("status", "pending"))
+        routes = data.pop("routed_experts", None)
+        sample = cls(**data)
+        if routes is not None:
+            sample.routed_experts = torch.tensor(routes, dtype=torch.int32)
+        return sample
+
+
+@dataclass
+class TrainBatch:
+    """Right-padded rows of whole samples, ready for one micro-batch of the trainer.
+
+    All tensors are ``[rows, seq]`` unless noted. ``loss_mask`` marks positions whose token is an
+    action (so prompt, observation and padding positions are 0).
+    """
+
+    tokens: torch.Tensor                       # long
+    lengths: torch.Tensor                      # long [rows]: real tokens per row
+    loss_mask: torch.Tensor                    # float
+    rollout_logprobs: torch.Tensor             # float
+    advantages: torch.Tensor                   # float
+    returns: torch.Tensor                      # float (critic targets)
+    weight_versions: torch.Tensor              # long, -1 where not generated
+    sample_uids: list[str] = field(default_factory=list)
+    old_logprobs: Optional[torch.Tensor] = None   # trainer's logprobs before this step's update
+    ref_logprobs: Optional[torch.Tensor] = None   # reference policy (KL penalty)
+    old_values: Optional[torch.Tensor] = None     # critic values before this step (value clipping)
+    routed_experts: Optional[torch.Tensor] = None  # int32 [rows, seq, layers, topk], -1 = none
+    global_num_tokens: float = 0.0             # action tokens of the whole step (all micro-batches, DP ranks)
+    global_num_seqs: float = 0.0               # sequences with >= 1 action token in the whole step
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass
+class LossInputs:
+    """What every policy loss receives. Tensors are ``[batch, seq]`` aligned with ``mask``."""
+
+    logp: torch.Tensor                         # current policy logprobs (carries the gradient)
+    rollout_logp: torch.Tensor                 # behaviour logprobs reported by the engine
+    advantages: torch.Tensor
+    mask: torch.Tensor                         # 1 for action tokens
+    old_logp: Optional[torch.Tensor] = None    # proximal/old policy (PPO); defaults to rollout_logp
+    ref_logp: Optional[torch.Tensor] = None    # reference policy (KL term)
+    entropy: Optional[torch.Tensor] = None
+    global_num_tokens: Optional[float] = None  # denominator across micro-batches and DP ranks
+    global_num_seqs: Optional[float] = None
+
+
+@dataclass
+class LossOutputs:
+    """A scalar loss to backpropagate and detached metrics (floats or 0-d tensors)."""
+
+    loss: torch.Tensor
+    metrics: dict[str, Any] = field(default_factory=dict)

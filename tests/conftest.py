@@ -1,0 +1,50 @@
+"""Shared fixtures and the test tiers.
+
+Tiers follow the folder: tests/unit (default), tests/distributed (2+ ranks over gloo),
+tests/slurm (a running single-node slurm), tests/gpu (CUDA; skipped here with the reason shown).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+TIERS = {"unit", "distributed", "slurm", "gpu"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        parts = Path(str(item.fspath)).parts
+        tier = next((p for p in parts if p in TIERS), "unit")
+        item.add_marker(getattr(pytest.mark, tier))
+        if tier == "gpu" or item.get_closest_marker("gpu"):
+            reason = _gpu_missing_reason()
+            if reason:
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def _gpu_missing_reason() -> str:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "needs CUDA: no GPU on this machine (run on a GPU node: pytest -m gpu)"
+    return ""
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The tiny Qwen3-MoE (4 layers, 8 experts, top-2) with its char-level tokenizer, made once."""
+    from checkpoints.init_model import init_model
+
+    return init_model(tmp_path_factory.mktemp("tiny_moe") / "model", arch="qwen3_moe", preset="tiny", seed=0)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_wandb(monkeypatch, tmp_path):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
