@@ -90,7 +90,7 @@ class Recipe:
 
     def _check_files(self) -> None:
         model_dir = Path(self.model.path)
-        if not (model_dir / "config.json").is_file() and not self.model.init_preset:
+        if not (model_dir / "config.json").is_file() and not (self.model.init_preset or self.model.shape_preset):
             raise ConfigError("model.path", f"{model_dir} has no config.json",
                               f"run `sao init-model --arch {self.model.arch} --preset tiny {model_dir}` "
                               "or set model.init_preset = 'tiny'")

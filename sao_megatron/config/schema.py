@@ -47,6 +47,8 @@ class ModelConfig:
     path: str = doc("", "HF model directory (config.json + safetensors + tokenizer).")
     arch: Literal["qwen3_moe", "glm4_moe", "glm5"] = doc("qwen3_moe", "Architecture family.")
     init_preset: str = doc("", "If set and `path` does not exist, `sao init-model` creates it with this preset (tiny).")
+    shape_preset: str = doc("", "Named architecture shapes (parallel/model_shapes.py) used by `sao plan` and "
+                                "`sao launch` when model.path is not on this machine.")
     dtype: Literal["fp32", "bf16"] = doc("fp32", "Parameter dtype of the trainer (fp32 on CPU).")
     max_seq_len: int = doc(512, "Longest prompt + response the trainer accepts.")
     fp8: Literal["none", "delayed", "tensorwise", "blockwise", "mxfp8"] = doc(

@@ -1,0 +1,1 @@
+"""The `sao` command line."""

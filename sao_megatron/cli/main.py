@@ -1,0 +1,42 @@
+"""`sao`: one command, one module per subcommand (sao_megatron/cli/<name>.py).
+
+Each module defines ``register(subparsers)`` (adds its parser, sets ``func=run``) and
+``run(args) -> int``. A recipe error prints one line and exits with code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from sao_megatron.config import ConfigError
+
+SUBCOMMANDS = ["train", "serve", "launch", "convert", "plan", "doctor", "bench", "eval", "init_model"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sao", description="Asynchronous single-rollout RL for Megatron-Core MoE models.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"sao_megatron.cli.{name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as err:
+        print(f"sao {args.command}: recipe error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"sao {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
