@@ -1,0 +1,211 @@
+"""Architecture shapes of the large MoE models, and exact parameter counts from an HF config.
+
+`SHAPES` holds HF-``config.json``-like dicts (HF key names) for the models whose weights are not on
+this machine; recipes name one with ``model.shape_preset``. `count_parameters(cfg)` works on any of
+them and on a real ``config.json`` (the tiny Qwen3-MoE included), so the planner and the tests use one
+counting rule.
+
+Counting rules (untied embeddings; SwiGLU MLP = 3·H·F; sources in /work/shared/notes/models.md §2):
+- GQA attention: H·nh·hd + 2·H·nkv·hd + nh·hd·H (+ q/k/v bias nh·hd + 2·nkv·hd) (+ q/k norm 2·hd).
+- MLA: H·qr + qr + qr·nh·(nope+rope) + H·(kvr+rope) + kvr + kvr·nh·(nope+v) + nh·v·H
+  (the two lone terms are the q_a / kv_a latent RMSNorms).
+- DSA indexer (GLM-5): qr·ih·id + H·id + H·ih + 2·id (wq_b, wk, weights_proj, k LayerNorm w+b).
+- MoE layer: routed E·3·H·Fm, shared S·3·H·Fm, router E·H (+E correction bias for sigmoid routers).
+- Norms: 2·H per layer plus the final H.
+- MTP layer (DeepSeek/GLM style): a full decoder layer + enorm H + hnorm H + eh_proj 2H·H + head norm H;
+  its embedding and head are shared with the main model and not counted again.
+- Active: routed experts counted top-k instead of E; everything else as in total.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, fields
+
+_QWEN3_30B_A3B = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, attention_bias=False, use_qk_norm=True,
+    vocab_size=151936, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+    num_experts_per_tok=8, n_shared_experts=0, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+    max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=False, scoring_func="softmax",
+)
+
+_GLM45_COMMON = dict(
+    architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", num_attention_heads=96, num_key_value_heads=8,
+    head_dim=128, attention_bias=True, vocab_size=151552, num_experts_per_tok=8, n_shared_experts=1,
+    norm_topk_prob=True, max_position_embeddings=131072, rope_theta=1e6, partial_rotary_factor=0.5,
+    tie_word_embeddings=False, scoring_func="sigmoid", topk_method="noaux_tc", n_group=1, topk_group=1,
+    num_nextn_predict_layers=1,
+)
+
+_GLM45_355B = dict(
+    _GLM45_COMMON, hidden_size=5120, num_hidden_layers=92, first_k_dense_replace=3, use_qk_norm=True,
+    intermediate_size=12288, moe_intermediate_size=1536, n_routed_experts=160, routed_scaling_factor=2.5,
+)
+
+_GLM45_AIR = dict(
+    _GLM45_COMMON, hidden_size=4096, num_hidden_layers=46, first_k_dense_replace=1, use_qk_norm=False,
+    intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=128, routed_scaling_factor=1.0,
+)
+
+# GLM-5 / GLM-5.1 (744B-A40B; 753.9B with the MTP layer): MLA + DSA indexer on every layer.
+_GLM5 = dict(
+    architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", hidden_size=6144, num_hidden_layers=78,
+    first_k_dense_replace=3, num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048,
+    kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, attention_bias=False,
+    vocab_size=154880, intermediate_size=12288, moe_intermediate_size=2048, n_routed_experts=256,
+    num_experts_per_tok=8, n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+    scoring_func="sigmoid", topk_method="noaux_tc", n_group=1, topk_group=1, num_nextn_predict_layers=1,
+    index_n_heads=32, index_head_dim=128, index_topk=2048, max_position_embeddings=202752, rope_theta=1e6,
+    tie_word_embeddings=False,
+)
+
+_DEEPSEEK_V3 = dict(
+    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=7168, num_hidden_layers=61,
+    first_k_dense_replace=3, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
+    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, attention_bias=False,
+    vocab_size=129280, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
+    num_experts_per_tok=8, n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+    scoring_func="sigmoid", topk_method="noaux_tc", n_group=8, topk_group=4, num_nextn_predict_layers=1,
+    max_position_embeddings=163840, rope_theta=1e4, tie_word_embeddings=False,
+)
+
+SHAPES: dict[str, dict] = {
+    "qwen3-30b-a3b": _QWEN3_30B_A3B,
+    "glm4.5-355b-a32b": _GLM45_355B,
+    "glm4.5-air": _GLM45_AIR,
+    "glm5-744b-a40b": _GLM5,
+    "deepseek-v3": _DEEPSEEK_V3,
+}
+
+
+def get_shape(name: str) -> dict:
+    """A copy of the named shape; unknown names raise with the list of known ones."""
+    if name not in SHAPES:
+        raise KeyError(f"model.shape_preset {name!r} is unknown; use one of {', '.join(SHAPES)}")
+    return copy.deepcopy(SHAPES[name])
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """Parameters of one decoder layer, split by how the trainer shards them."""
+
+    attention: int = 0        # q/k/v/o (or MLA) projections: split over TP
+    attention_norms: int = 0  # q/k head norms and MLA latent norms: replicated
+    indexer: int = 0          # DSA indexer projections: replicated in Megatron's GLM-5 spec
+    dense_mlp: int = 0        # dense SwiGLU of non-MoE layers: split over TP
+    shared_experts: int = 0   # always-on experts: split over TP like a dense MLP
+    routed_experts: int = 0   # split over EP x ETP
+    router: int = 0           # gate weight (+ correction bias): replicated
+    norms: int = 0            # input and post-attention RMSNorm: replicated
+    mtp_extra: int = 0        # MTP only: enorm, hnorm, eh_proj, head norm
+    routed_active: int = 0    # routed expert parameters one token uses (top-k of E)
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self) if f.name != "routed_active")
+
+    @property
+    def active(self) -> int:
+        return self.total - self.routed_experts + self.routed_active
+
+
+def num_experts(cfg: dict) -> int:
+    return int(cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+
+
+def is_moe_layer(cfg: dict, layer: int) -> bool:
+    """HF rules: DeepSeek/GLM use `first_k_dense_replace`; Qwen3-MoE uses decoder_sparse_step/mlp_only_layers."""
+    if not num_experts(cfg):
+        return False
+    if "first_k_dense_replace" in cfg:
+        return layer >= cfg["first_k_dense_replace"]
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    return layer not in (cfg.get("mlp_only_layers") or []) and (layer + 1) % step == 0
+
+
+def is_mla(cfg: dict) -> bool:
+    return bool(cfg.get("kv_lora_rank"))
+
+
+def attention_params(cfg: dict) -> tuple[int, int]:
+    """(projection parameters, norm parameters) of one attention block."""
+    h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+    if is_mla(cfg):
+        qr, kvr = cfg["q_lora_rank"], cfg["kv_lora_rank"]
+        nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+        proj = h * qr + qr * nh * (nope + rope) + h * (kvr + rope) + kvr * nh * (nope + v) + nh * v * h
+        return proj, qr + kvr
+    hd = cfg.get("head_dim") or h // nh
+    nkv = cfg.get("num_key_value_heads", nh)
+    proj = h * nh * hd + 2 * h * nkv * hd + nh * hd * h
+    if cfg.get("attention_bias"):
+        proj += nh * hd + 2 * nkv * hd
+    norms = 2 * hd if _has_qk_norm(cfg) else 0
+    return proj, norms
+
+
+def _has_qk_norm(cfg: dict) -> bool:
+    # Qwen3 always has per-head q/k norms; GLM-4.5 has them only with use_qk_norm.
+    return cfg.get("model_type") in ("qwen3_moe", "qwen3") or bool(cfg.get("use_qk_norm"))
+
+
+def indexer_params(cfg: dict) -> int:
+    """GLM-5 DSA indexer: wq_b (qr -> ih·id), wk (H -> id), weights_proj (H -> ih), k LayerNorm (w + b)."""
+    ih, idim = cfg.get("index_n_heads", 0), cfg.get("index_head_dim", 0)
+    if not ih:
+        return 0
+    h = cfg["hidden_size"]
+    return cfg["q_lora_rank"] * ih * idim + h * idim + h * ih + 2 * idim
+
+
+def layer_params(cfg: dict, layer: int, mtp: bool = False) -> LayerParams:
+    """Parameters of decoder layer `layer` (MTP layers are MoE layers with the MTP extras)."""
+    h = cfg["hidden_size"]
+    attn, attn_norms = attention_params(cfg)
+    parts = dict(attention=attn, attention_norms=attn_norms, indexer=indexer_params(cfg), norms=2 * h)
+    if mtp or is_moe_layer(cfg, layer):
+        e, fm, k = num_experts(cfg), cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
+        shared = cfg.get("n_shared_experts") or 0
+        bias = e if cfg.get("scoring_func") == "sigmoid" else 0
+        parts.update(routed_experts=e * 3 * h * fm, routed_active=k * 3 * h * fm,
+                     shared_experts=shared * 3 * h * fm, router=e * h + bias)
+    else:
+        parts.update(dense_mlp=3 * h * cfg["intermediate_size"])
+    if mtp:
+        parts.update(mtp_extra=3 * h + 2 * h * h)
+    return LayerParams(**parts)
+
+
+def all_layers(cfg: dict, include_mtp: bool = False) -> list[LayerParams]:
+    layers = [layer_params(cfg, i) for i in range(cfg["num_hidden_layers"])]
+    if include_mtp:
+        layers += [layer_params(cfg, cfg["num_hidden_layers"] + i, mtp=True)
+                   for i in range(cfg.get("num_nextn_predict_layers") or 0)]
+    return layers
+
+
+def embedding_params(cfg: dict) -> int:
+    return cfg["vocab_size"] * cfg["hidden_size"]
+
+
+def head_params(cfg: dict) -> int:
+    """Output head (0 when tied to the embedding)."""
+    return 0 if cfg.get("tie_word_embeddings") else cfg["vocab_size"] * cfg["hidden_size"]
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    total: int
+    active: int                     # per token, with embedding and head
+    active_without_embeddings: int  # per token, decoder layers and final norm only
+    routed_experts: int             # part of total that lives in routed experts
+
+
+def count_parameters(cfg: dict, include_mtp: bool = False) -> ParamCount:
+    """Exact parameter count of an HF MoE config (see the module docstring for the rules)."""
+    layers = all_layers(cfg, include_mtp)
+    emb = embedding_params(cfg) + head_params(cfg)
+    body_total = sum(p.total for p in layers) + cfg["hidden_size"]
+    body_active = sum(p.active for p in layers) + cfg["hidden_size"]
+    return ParamCount(total=emb + body_total, active=emb + body_active, active_without_embeddings=body_active,
+                      routed_experts=sum(p.routed_experts for p in layers))
