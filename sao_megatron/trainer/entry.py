@@ -1,0 +1,82 @@
+"""From a validated recipe to running ranks: run dir, model creation, rank launch, the loop."""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from sao_megatron.config import ConfigError, Recipe, load_recipe
+
+
+def train_from_recipe(recipe: Recipe) -> int:
+    """Entry point of `sao train`. Launches ranks itself when the recipe asks for more than one."""
+    run_dir = prepare_run_dir(recipe)
+    world = recipe.parallel.resolved_world_size()
+    if world > 1 and "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ \
+            and "SLURM_PROCID" not in os.environ:
+        return launch_local_ranks(recipe, run_dir / "resolved_recipe.toml", world)
+    return run_rank(recipe)
+
+
+def prepare_run_dir(recipe: Recipe) -> Path:
+    run_dir = recipe.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = Path(recipe.model.path)
+    if not (model_dir / "config.json").exists():
+        if not recipe.model.init_preset:
+            raise ConfigError("model.path", f"{model_dir} has no config.json",
+                              "create it with `sao init-model` or set model.init_preset")
+        from checkpoints.init_model import init_model
+
+        init_model(model_dir, arch=recipe.model.arch, preset=recipe.model.init_preset, seed=recipe.run.seed)
+        print(f"created {recipe.model.arch}/{recipe.model.init_preset} model at {model_dir}", file=sys.stderr)
+    recipe.dump(run_dir)
+    return run_dir
+
+
+def launch_local_ranks(recipe: Recipe, resolved: Path, world: int) -> int:
+    """Start `world` ranks on this machine (torchrun, or mpirun via mpi4py) running this same recipe."""
+    launcher = recipe.parallel.launcher
+    if launcher == "auto":
+        launcher = "torchrun"
+    module = [sys.executable, "-m", "sao_megatron.trainer.rank_main", str(resolved)]
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] + module[1:]
+    elif launcher == "mpirun":
+        mpirun = shutil.which("mpirun") or str(Path(sys.executable).parent / "mpirun")
+        cmd = [mpirun, "-np", str(world), "--oversubscribe"] + module
+        os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    else:
+        raise ConfigError("parallel.launcher", f"world_size {world} needs a launcher, got 'none'",
+                          "set parallel.launcher = 'torchrun' or start the ranks yourself")
+    print(f"launching {world} ranks: {' '.join(cmd)}", file=sys.stderr)
+    return subprocess.call(cmd)
+
+
+def run_rank(recipe: Recipe) -> int:
+    """One trainer rank: join the process group, build services, run the loop."""
+    from parallel.distributed import init_distributed
+
+    from .loop import Trainer
+    from .services import Services
+
+    rank, world = init_distributed(recipe)
+    trainer = Trainer(recipe, Services(recipe, rank=rank, world_size=world))
+    asyncio.run(trainer.train())
+    if rank == 0:
+        print(f"done: {trainer.step} steps, weight version {trainer.version}; run dir {recipe.run_dir}",
+              file=sys.stderr)
+    return 0
+
+
+def rank_main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    return run_rank(load_recipe(args[0], args[1:]))
+
+
+if __name__ == "__main__":
+    sys.exit(rank_main())

@@ -1,0 +1,264 @@
+"""Everything the loop talks to, built from the recipe: models, engines, the rollout driver, weight
+sync, metrics, checkpoints and preemption. The loop (loop.py) only calls the methods here.
+"""
+from __future__ import annotations
+
+import json
+import random
+import secrets
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sao_megatron.config import Recipe
+from sao_megatron.records import Sample
+
+
+class Services:
+    def __init__(self, recipe: Recipe, rank: int = 0, world_size: int = 1):
+        self.recipe = recipe
+        self.rank, self.world_size = rank, world_size
+        self.is_driver = rank == 0
+        self.run_dir = recipe.run_dir
+        self.policy = self.critic = None
+        self.engines, self.engine_handles = [], []
+        self.driver = self.weight_sync = self.sink = self.checkpointer = None
+        self.tokenizer = None
+        self.debug_samples: list[Sample] = []
+
+    # ------------------------------------------------------------------------------------ lifecycle
+    async def start(self, trainer) -> None:
+        recipe = self.recipe
+        _seed_everything(recipe.run.seed + self.rank)
+        self.trainer = trainer
+        self.policy, self.critic = self._build_models()
+        if self.is_driver:
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained(recipe.model.path)
+            self.sink = self._build_sink()
+            if recipe.run.debug == "train-only":
+                from rollout.dump import load_rollouts
+
+                self.debug_samples = load_rollouts(Path(recipe.run.debug_dir))
+            else:
+                await self._start_rollout()
+        self._build_checkpointer()
+        await self._maybe_resume()
+
+    async def stop(self) -> None:
+        if self.driver is not None:
+            await self.driver.stop()
+        for engine in self.engines:
+            await engine.close()
+        for handle in self.engine_handles:
+            handle.stop()
+        if self.sink is not None:
+            self.sink.close()
+            if self.recipe.logging.plot:
+                from sao_megatron.metrics.plot import plot_curves
+
+                plot_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png", title=self.recipe.run.name)
+
+    def _build_models(self):
+        from parallel.rl_model import RLModel
+        from safetensors.torch import load_file
+
+        hf = {}
+        for shard in sorted(Path(self.recipe.model.path).glob("*.safetensors")):
+            hf.update(load_file(shard))
+        policy = RLModel.build(self.recipe, "policy")
+        policy.load_hf_state_dict(hf)
+        critic = None
+        if self.recipe.critic.enabled and self.recipe.run.debug != "rollout-only":
+            critic = RLModel.build(self.recipe, "critic")
+            if self.recipe.critic.init_from_policy:
+                critic.load_hf_state_dict(hf)
+        return policy, critic
+
+    async def _start_rollout(self) -> None:
+        from rollout.driver import RolloutDriver, build_prompt_source, resolve_reward_fn
+
+        recipe, rollout = self.recipe, self.recipe.rollout
+        self.engines, self.engine_handles = await start_engines(recipe, self.run_dir)
+        source = build_prompt_source(rollout, self.tokenizer, seed=recipe.run.seed)
+        self.driver = RolloutDriver(self.engines, source, resolve_reward_fn(rollout), rollout, self.tokenizer,
+                                    seed=recipe.run.seed)
+        await self.driver.start()
+        if recipe.run.debug != "rollout-only":
+            from checkpoints.weight_sync import build_weight_sync
+
+            self.weight_sync = build_weight_sync(recipe.weight_sync, self.engines, run_dir=self.run_dir)
+
+    def _build_sink(self):
+        from sao_megatron.metrics import build_metric_sink
+
+        resume_id = ""
+        marker = self.run_dir / "wandb_run_id"
+        if marker.exists():
+            resume_id = marker.read_text().strip()
+        sink = build_metric_sink(self.recipe.logging, self.recipe.run.name, self.run_dir, self.trainer.total,
+                                 self.recipe.to_dict(), resume_id=resume_id)
+        if sink.run_id:
+            marker.write_text(sink.run_id)
+        return sink
+
+    # ------------------------------------------------------------------------------------ per step
+    async def collect(self, num_samples: int, version: int) -> list[Sample]:
+        """Rank 0 gets finished samples from the driver (or the saved rollouts); others receive them."""
+        samples = None
+        if self.is_driver:
+            if self.recipe.run.debug == "train-only":
+                samples = self._next_saved(num_samples)
+            else:
+                samples = await self.driver.get_batch(num_samples, version)
+                if self.recipe.run.debug == "rollout-only":
+                    from rollout.dump import save_rollouts
+
+                    save_rollouts(samples, self.run_dir / "rollouts", step=self.trainer.step)
+        return _share(samples, self.world_size)
+
+    def _next_saved(self, num_samples: int) -> list[Sample]:
+        if len(self.debug_samples) < num_samples:
+            raise RuntimeError(f"train-only: {self.recipe.run.debug_dir} has no more saved rollouts "
+                               f"(needed {num_samples}); fix: lower run.num_steps or save more with rollout-only")
+        batch, self.debug_samples = self.debug_samples[:num_samples], self.debug_samples[num_samples:]
+        return batch
+
+    async def sync_weights(self, version: int) -> dict:
+        """Broadcast the new policy weights to every engine under `version`. All ranks join the export."""
+        if self.recipe.run.debug != "none":
+            return {}
+        import time
+
+        started = time.perf_counter()
+        named = self.policy.export_hf()
+        if self.is_driver:
+            async with self.driver.weight_update(self.recipe.weight_sync.pause_mode):
+                await self.weight_sync.push(named, version)
+            if self.recipe.weight_sync.check_equal:
+                from checkpoints.weight_sync import check_weight_update_equal
+
+                await check_weight_update_equal(self.engines, self.policy.export_hf())
+        else:
+            for _ in named:  # non-zero ranks take part in the gathers
+                pass
+        return {"perf/weight_sync_s": time.perf_counter() - started}
+
+    def log(self, metrics: dict, step: int) -> None:
+        if self.sink is None:
+            return
+        if self.driver is not None:
+            metrics = {**self.driver.metrics(), **metrics}
+        self.sink.log(metrics, step)
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def _build_checkpointer(self) -> None:
+        from checkpoints.preemption import install_preemption_handlers
+        from checkpoints.run_state import RunCheckpointer
+
+        if self.recipe.checkpoint.save_on_signal:
+            install_preemption_handlers()
+        self.checkpointer = RunCheckpointer(self.run_dir / "checkpoints", keep_last=self.recipe.checkpoint.keep_last)
+
+    def _components(self) -> dict:
+        parts = {"policy": self.policy, "trainer": _TrainerState(self.trainer), "rng": _RngState()}
+        if self.critic is not None:
+            parts["critic"] = self.critic
+        if self.driver is not None:
+            parts["driver"] = self.driver
+        return parts
+
+    async def maybe_checkpoint(self, step: int, final: bool) -> None:
+        interval = self.recipe.checkpoint.interval
+        due = final or (interval and step % interval == 0) or self.preemption_requested()
+        if due and self.recipe.run.debug == "none":
+            self.checkpointer.save(step, self._components())
+
+    async def _maybe_resume(self) -> None:
+        resume = self.recipe.checkpoint.resume
+        if resume == "never":
+            return
+        path = None if resume == "auto" else Path(resume)
+        loaded = self.checkpointer.load(self._components(), path=path)
+        if loaded is not None and self.is_driver:
+            print(f"resumed from {loaded} at step {self.trainer.step}, weight version {self.trainer.version}",
+                  file=sys.stderr)
+            if self.weight_sync is not None and self.trainer.version > 0:
+                await self.sync_weights(self.trainer.version)
+
+    def preemption_requested(self) -> bool:
+        from checkpoints.preemption import should_checkpoint_and_exit
+
+        return should_checkpoint_and_exit()
+
+
+class _TrainerState:
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def state_dict(self) -> dict:
+        return {"step": self.trainer.step, "version": self.trainer.version}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.trainer.step, self.trainer.version = int(state["step"]), int(state["version"])
+
+
+class _RngState:
+    def state_dict(self) -> dict:
+        return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2 ** 32))
+    torch.manual_seed(seed)
+
+
+def _share(samples, world_size: int):
+    if world_size == 1:
+        return samples
+    import torch.distributed as dist
+
+    box = [samples]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+async def start_engines(recipe: Recipe, run_dir: Path):
+    """Connect to recipe.rollout.engine_urls, or start num_engines local engines. Returns (engines, handles)."""
+    from rollout.sglang_client import SGLangEngine
+
+    rollout = recipe.rollout
+    api_key = rollout.api_key or secrets.token_hex(16)
+    handles = []
+    urls = list(rollout.engine_urls)
+    if not urls:
+        for index in range(rollout.num_engines):
+            handle = _launch_engine(recipe, index, api_key, run_dir)
+            handles.append(handle)
+            urls.append(handle.url)
+    engines = [SGLangEngine(url, api_key=api_key, name=f"engine{i}@{url}", timeout_s=rollout.request_timeout_s)
+               for i, url in enumerate(urls)]
+    (run_dir / "engines.json").write_text(json.dumps({"urls": urls}))
+    return engines, handles
+
+
+def _launch_engine(recipe: Recipe, index: int, api_key: str, run_dir: Path):
+    rollout = recipe.rollout
+    port = rollout.port + index if rollout.port else 0
+    if rollout.engine == "reference":
+        from rollout.reference_server import launch_local
+
+        return launch_local(recipe.model.path, host=rollout.host, port=port, api_key=api_key,
+                            log_path=run_dir / f"engine{index}.log", seed=recipe.run.seed + index)
+    from rollout.sglang_launcher import launch_sglang
+
+    return launch_sglang(recipe, index=index, port=port, api_key=api_key, log_path=run_dir / f"engine{index}.log")

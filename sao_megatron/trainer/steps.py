@@ -1,0 +1,77 @@
+"""The named steps of one RL iteration: advantages, and the loss functions the model's schedule calls."""
+from __future__ import annotations
+
+import torch
+
+from sao_megatron.config import AlgorithmConfig, CriticConfig
+from sao_megatron.records import LossInputs, LossOutputs, Sample, TrainBatch
+
+from .batching import ResponseTensors, to_response_space
+
+
+def compute_step_advantages(cfg: AlgorithmConfig, samples: list[Sample], resp: ResponseTensors,
+                            seq_values: list[torch.Tensor] | None):
+    """Advantages [B, R] and critic returns [B, R] (or None) for one batch of samples."""
+    from sao_megatron.algorithms import compute_advantages
+
+    values = None
+    if seq_values is not None:
+        values = to_response_space(samples, seq_values, resp.mask.shape[1]) * resp.mask
+    advantages, returns, metrics = compute_advantages(
+        cfg, token_rewards=resp.token_rewards, mask=resp.mask, values=values, seq_rewards=resp.seq_rewards,
+        group_ids=resp.group_ids, response_lengths=resp.action_lengths)
+    return advantages, returns, values, metrics
+
+
+def policy_loss_fn(cfg: AlgorithmConfig):
+    """loss_fn(batch, outputs) for RLModel.train_step: the configured policy loss plus the mismatch metric."""
+    from sao_megatron.algorithms import compute_policy_loss
+
+    def loss_fn(batch: TrainBatch, outputs: dict) -> LossOutputs:
+        logp = outputs["logp"]
+        inputs = LossInputs(
+            logp=logp, rollout_logp=batch.rollout_logprobs, advantages=batch.advantages, mask=batch.loss_mask,
+            old_logp=batch.old_logprobs, ref_logp=batch.ref_logprobs, entropy=outputs.get("entropy"),
+            global_num_tokens=batch.global_num_tokens, global_num_seqs=batch.global_num_seqs)
+        out = compute_policy_loss(cfg, inputs)
+        # |logp_train - logp_rollout| over action tokens, scaled so micro-batches add up to the step mean.
+        diff = ((logp.detach() - batch.rollout_logprobs).abs() * batch.loss_mask).sum()
+        out.metrics["train_rollout_logprob_abs_diff"] = diff / max(batch.global_num_tokens, 1.0)
+        return out
+
+    return loss_fn
+
+
+def value_loss_fn(cfg: CriticConfig):
+    from sao_megatron.algorithms import compute_value_loss
+
+    def loss_fn(batch: TrainBatch, outputs: dict) -> LossOutputs:
+        return compute_value_loss(outputs["values"], batch.returns, batch.loss_mask, old_values=batch.old_values,
+                                  value_clip=cfg.value_clip, global_num_tokens=batch.global_num_tokens)
+
+    return loss_fn
+
+
+def rollout_metrics(samples: list[Sample], version: int) -> dict:
+    """rollout/* numbers of the samples a step trained on."""
+    rewards = torch.tensor([float(s.reward or 0.0) for s in samples])
+    lengths = torch.tensor([float(len(s.response_ids)) for s in samples])
+    stale = torch.tensor([float(s.staleness(version)) for s in samples])
+    return {
+        "rollout/raw_reward": rewards.mean().item(),
+        "rollout/raw_reward_std": rewards.std().item() if len(samples) > 1 else 0.0,
+        "rollout/response_len": lengths.mean().item(),
+        "rollout/response_len_max": lengths.max().item(),
+        "rollout/staleness": stale.mean().item(),
+        "rollout/staleness_max": stale.max().item(),
+        "rollout/truncated_frac": sum(s.status.value == "truncated" for s in samples) / len(samples),
+    }
+
+
+def prefixed(prefix: str, metrics: dict) -> dict:
+    out = {}
+    for key, value in metrics.items():
+        if isinstance(value, torch.Tensor):
+            value = value.item()
+        out[key if "/" in key else f"{prefix}/{key}"] = value
+    return out
