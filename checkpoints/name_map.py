@@ -1,0 +1,107 @@
+"""The name map: one `Rule` per Megatron (local-spec) tensor, saying which HF tensors it is made of.
+
+Megatron names here are *global*: `decoder.layers.{L}` with the global layer index and
+`mlp.experts.local_experts.{g}` with the global expert index; checkpoints/convert.py renames them to
+a rank's local indices. Table (HF on-disk names, prefix model.layers.L):
+
+| Megatron (decoder.layers.L.)               | HF (model.layers.L.)                         | split |
+|--------------------------------------------|----------------------------------------------|-------|
+| input_layernorm.weight                     | input_layernorm.weight                       | rep   |
+| self_attention.linear_qkv.weight/.bias     | self_attn.{q,k,v}_proj.weight/.bias (grouped)| col   |
+| self_attention.{q,k}_layernorm.weight      | self_attn.{q,k}_norm.weight                  | rep   |
+| self_attention.linear_proj.weight          | self_attn.o_proj.weight                      | row   |
+| pre_mlp_layernorm.weight                   | post_attention_layernorm.weight              | rep   |
+| mlp.linear_fc1.weight (dense layers)       | mlp.{gate,up}_proj.weight                    | glu   |
+| mlp.linear_fc2.weight (dense layers)       | mlp.down_proj.weight                         | row   |
+| mlp.router.weight                          | mlp.gate.weight                              | rep   |
+| mlp.router.expert_bias (GLM)               | mlp.gate.e_score_correction_bias             | rep   |
+| mlp.experts.local_experts.g.linear_fc1.weight | mlp.experts.g.{gate,up}_proj.weight       | glu (expert TP) |
+| mlp.experts.local_experts.g.linear_fc2.weight | mlp.experts.g.down_proj.weight            | row (expert TP) |
+| mlp.shared_experts.linear_fc{1,2}.weight   | mlp.shared_experts.{gate,up / down}_proj.weight | glu / row |
+| embedding.word_embeddings.weight           | model.embed_tokens.weight                    | vocab |
+| decoder.final_layernorm.weight             | model.norm.weight                            | rep   |
+| output_layer.weight                        | lm_head.weight (embed_tokens when tied)      | vocab |
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .arch.spec import ArchSpec
+
+EMBED, FINAL_NORM, OUTPUT = "embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"
+
+
+@dataclass(frozen=True)
+class Rule:
+    mcore: str                      # global Megatron name
+    hf: tuple                       # HF names, in pack order
+    pack: str                       # "copy" | "qkv" | "glu"
+    split: str                      # "rep" | "col" | "row" | "glu" | "vocab"
+    layer: Optional[int] = None     # global decoder layer, None for embedding / final norm / output
+    expert: Optional[int] = None    # global expert index for routed-expert tensors
+
+
+def layer_rules(spec: ArchSpec, L: int) -> list[Rule]:
+    """All rules of decoder layer L; routed experts last, in global expert order."""
+    m, h = f"decoder.layers.{L}.", f"model.layers.{L}."
+
+    def rule(mc, hf, pack="copy", split="rep", expert=None):
+        return Rule(m + mc, tuple(h + n for n in hf), pack, split, L, expert)
+
+    rules = [rule("input_layernorm.weight", ["input_layernorm.weight"])]
+    for kind in ["weight"] + (["bias"] if spec.qkv_bias else []):
+        rules.append(rule(f"self_attention.linear_qkv.{kind}",
+                          [f"self_attn.{p}_proj.{kind}" for p in "qkv"], "qkv", "col"))
+    if spec.qk_norm:
+        rules += [rule("self_attention.q_layernorm.weight", ["self_attn.q_norm.weight"]),
+                  rule("self_attention.k_layernorm.weight", ["self_attn.k_norm.weight"])]
+    rules += [rule("self_attention.linear_proj.weight", ["self_attn.o_proj.weight"], split="row"),
+              rule("pre_mlp_layernorm.weight", ["post_attention_layernorm.weight"])]
+    if L not in spec.moe_layers:
+        return rules + _glu_mlp(rule, "mlp.", "mlp.")
+    rules.append(rule("mlp.router.weight", ["mlp.gate.weight"]))
+    if spec.expert_bias:
+        rules.append(rule("mlp.router.expert_bias", ["mlp.gate.e_score_correction_bias"]))
+    if spec.shared_experts:
+        rules += _glu_mlp(rule, "mlp.shared_experts.", "mlp.shared_experts.")
+    for g in range(spec.num_experts):
+        rules += _glu_mlp(rule, f"mlp.experts.local_experts.{g}.", f"mlp.experts.{g}.", expert=g)
+    return rules
+
+
+def _glu_mlp(rule, mc: str, hf: str, expert=None) -> list[Rule]:
+    return [rule(mc + "linear_fc1.weight", [hf + "gate_proj.weight", hf + "up_proj.weight"], "glu", "glu", expert),
+            rule(mc + "linear_fc2.weight", [hf + "down_proj.weight"], "copy", "row", expert)]
+
+
+def embedding_rule() -> Rule:
+    return Rule(EMBED, ("model.embed_tokens.weight",), "copy", "vocab")
+
+
+def final_rules(spec: ArchSpec, include_tied_output: bool = False) -> list[Rule]:
+    """Final norm and output layer. A tied output layer exists in Megatron only on a last pipeline stage
+    that does not also hold the embedding (pp > 1); it is a copy of the embedding."""
+    rules = [Rule(FINAL_NORM, ("model.norm.weight",), "copy", "rep")]
+    if not spec.tie_embeddings:
+        rules.append(Rule(OUTPUT, ("lm_head.weight",), "copy", "vocab"))
+    elif include_tied_output:
+        rules.append(Rule(OUTPUT, ("model.embed_tokens.weight",), "copy", "vocab"))
+    return rules
+
+
+def all_rules(spec: ArchSpec) -> list[Rule]:
+    """Every rule of the model in HF stream order: embedding, layers, final norm, output."""
+    rules = [embedding_rule()]
+    for L in range(spec.num_layers):
+        rules += layer_rules(spec, L)
+    return rules + final_rules(spec)
+
+
+def expected_hf_names(spec: ArchSpec) -> set[str]:
+    return {n for r in all_rules(spec) for n in r.hf}
+
+
+def is_expert_hf_name(name: str) -> bool:
+    """Routed-expert tensors (sent after all others by weight sync, like slime does)."""
+    return ".mlp.experts." in name
