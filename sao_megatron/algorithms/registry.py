@@ -1,0 +1,147 @@
+"""Name -> function registries, so a recipe names its loss and advantage estimator by string.
+
+``POLICY_LOSSES`` maps loss names (dis, ppo, gspo, gspo_token, cispo) *and* recipe names (sao, grpo,
+grpo_dis, gspo, gspo_token, dapo, drgrpo, rloo, reinforce_pp, ppo; via config/presets.py) to adapters
+with the uniform signature ``fn(cfg, inputs, agg, token_weight) -> LossOutputs``. A recipe may instead
+give ``'pkg.mod:fn'``: that function must have the same signature (cfg: AlgorithmConfig, inputs:
+LossInputs, agg: Aggregation, token_weight: Tensor | None). ``ADVANTAGE_ESTIMATORS`` likewise maps
+estimator and recipe names to ``fn(cfg, batch: AdvantageBatch) -> (advantages, returns | None, metrics)``.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from sao_megatron.config.presets import PRESETS
+
+from . import advantages as adv
+from .policy_losses import cispo_loss, dis_loss, gspo_loss, gspo_token_loss, ppo_clip_loss
+
+
+def _old(inputs):
+    """PPO-family behaviour policy: the trainer's pre-update logprobs, else the rollout engine's."""
+    return inputs.old_logp if inputs.old_logp is not None else inputs.rollout_logp
+
+
+def _dis(cfg, inputs, agg, token_weight):
+    return dis_loss(inputs.logp, inputs.rollout_logp, inputs.advantages, inputs.mask, cfg.eps_low, cfg.eps_high,
+                    normalize_over=cfg.normalize_over, token_weight=token_weight, agg=agg)
+
+
+def _ppo(cfg, inputs, agg, token_weight):
+    return ppo_clip_loss(inputs.logp, _old(inputs), inputs.advantages, inputs.mask, cfg.eps_low, cfg.eps_high,
+                         dual_clip=cfg.dual_clip, token_weight=token_weight, agg=agg)
+
+
+def _same_signature(fn):
+    def adapter(cfg, inputs, agg, token_weight):
+        return fn(inputs.logp, _old(inputs), inputs.advantages, inputs.mask, cfg.eps_low, cfg.eps_high,
+                  token_weight=token_weight, agg=agg)
+    adapter.__name__ = adapter.__qualname__ = f"_{fn.__name__}_adapter"
+    adapter.__doc__ = fn.__doc__
+    return adapter
+
+
+_LOSS_FUNCTIONS: dict[str, Callable] = {
+    "dis": _dis, "ppo": _ppo, "gspo": _same_signature(gspo_loss),
+    "gspo_token": _same_signature(gspo_token_loss), "cispo": _same_signature(cispo_loss),
+}
+
+
+@dataclass
+class AdvantageBatch:
+    """What an advantage estimator sees (shapes in advantages.py)."""
+
+    token_rewards: torch.Tensor      # [B, T], scalar reward on the last action token
+    mask: torch.Tensor               # [B, T], 1 = action token
+    values: Optional[torch.Tensor]   # [B, T] critic values, or None
+    seq_rewards: torch.Tensor        # [B]
+    group_ids: torch.Tensor          # [B] long
+    response_lengths: torch.Tensor   # [B] action-token counts
+
+
+def _gae(cfg, batch: AdvantageBatch):
+    if batch.values is None:
+        raise ValueError("algorithm.advantage='gae' needs critic values (values=None); fix: enable the critic "
+                         "(critic.enabled = true) or pick a group estimator such as 'grpo'")
+    if cfg.lambda_actor is not None:
+        lam_actor = torch.full(batch.seq_rewards.shape, float(cfg.lambda_actor))
+    else:
+        lam_actor = adv.length_adaptive_lambda(batch.response_lengths, cfg.alpha)
+    lam_actor = lam_actor.to(batch.mask.device)
+    advantages, _ = adv.compute_gae(batch.token_rewards, batch.values, batch.mask, cfg.gamma, lam_actor)
+    _, returns = adv.compute_gae(batch.token_rewards, batch.values, batch.mask, cfg.gamma, cfg.lambda_critic)
+    return advantages, returns, {"lambda_actor_mean": float(lam_actor.mean()) if lam_actor.numel() else 0.0}
+
+
+def _group(seq_estimator):
+    def estimator(cfg, batch: AdvantageBatch):
+        seq_adv = seq_estimator(batch.seq_rewards, batch.group_ids)
+        return adv.broadcast_to_tokens(seq_adv, batch.mask), None, {}
+    estimator.__name__ = f"_{seq_estimator.__name__}_tokens"
+    estimator.__doc__ = seq_estimator.__doc__
+    return estimator
+
+
+def _reinforce_pp(cfg, batch: AdvantageBatch):
+    return adv.reinforce_pp_advantages(batch.token_rewards, batch.mask, cfg.gamma), None, {}
+
+
+def _reinforce_pp_baseline(cfg, batch: AdvantageBatch):
+    return adv.reinforce_pp_baseline_advantages(batch.seq_rewards, batch.group_ids, batch.mask), None, {}
+
+
+_ESTIMATORS: dict[str, Callable] = {
+    "gae": _gae, "grpo": _group(adv.grpo_advantages), "drgrpo": _group(adv.drgrpo_advantages),
+    "rloo": _group(adv.rloo_advantages), "reinforce_pp": _reinforce_pp,
+    "reinforce_pp_baseline": _reinforce_pp_baseline,
+}
+
+
+def _with_recipe_names(base: dict, key: str) -> dict:
+    out = dict(base)
+    for recipe, preset in PRESETS.items():
+        out.setdefault(recipe, base[preset[key]])
+    return out
+
+
+POLICY_LOSSES: dict[str, Callable] = _with_recipe_names(_LOSS_FUNCTIONS, "algorithm.loss")
+ADVANTAGE_ESTIMATORS: dict[str, Callable] = _with_recipe_names(_ESTIMATORS, "algorithm.advantage")
+
+
+def load_import_path(path: str, field: str) -> Callable:
+    """Resolve ``'pkg.mod:fn'`` to a callable; a one-line error names ``field`` on any failure."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"{field}: {path!r} is not 'pkg.mod:fn'; fix: write the module, a colon, the function")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"{field}: cannot import {module_name!r} ({err}); fix: check the path and PYTHONPATH") from err
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"{field}: {module_name} has no callable {attr!r}; fix: check the function name")
+    return fn
+
+
+def get_policy_loss(name: str) -> Callable:
+    """Loss adapter for a loss name, a recipe name or ``'pkg.mod:fn'``."""
+    if ":" in name:
+        return load_import_path(name, "algorithm.loss")
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"algorithm.loss: unknown {name!r}; fix: use one of {', '.join(sorted(POLICY_LOSSES))} "
+                         "or 'pkg.mod:fn'")
+    return POLICY_LOSSES[name]
+
+
+def get_advantage_estimator(name: str) -> Callable:
+    """Estimator for an estimator name, a recipe name or ``'pkg.mod:fn'``."""
+    if ":" in name:
+        return load_import_path(name, "algorithm.advantage")
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"algorithm.advantage: unknown {name!r}; fix: use one of "
+                         f"{', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
+    return ADVANTAGE_ESTIMATORS[name]
