@@ -1,8 +1,99 @@
-"""`sao plan`: Plan memory per GPU and layouts for a recipe."""
-from __future__ import annotations
+"""`sao plan RECIPE.toml --gpus N --gpu h100|h200`: memory per GPU for the recipe's layout, and layouts that fit.
 
-from ._pending import register_pending
+Exit code 0 when the recipe's own layout fits, 1 when it does not (the suggestions say what would).
+Formulas: parallel/planner.py and docs/cluster.md.
+"""
+from __future__ import annotations
 
 
 def register(sub) -> None:
-    register_pending(sub, "plan", "Plan memory per GPU and layouts for a recipe", 8)
+    parser = sub.add_parser("plan", help="Memory per GPU (weights, grads, optimizer, activations, KV) and layouts that fit")
+    parser.add_argument("recipe", help="recipe .toml (model.shape_preset or a local model.path)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. parallel.tp=8")
+    parser.add_argument("--gpus", type=int, default=0, help="GPUs in the allocation (default launch.nodes x launch.gpus_per_node)")
+    parser.add_argument("--gpu", default="h100", choices=["h100", "h200"], help="GPU model")
+    parser.add_argument("--optimizer-offload", action="store_true", help="Adam state and fp32 master on the host (CPU Adam)")
+    parser.add_argument("--critic-placement", default="shared", choices=["shared", "swap"],
+                        help="shared: policy and critic resident together; swap: only the model being updated")
+    parser.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8"], help="engine KV cache dtype")
+    parser.add_argument("--suggest", type=int, default=5, help="how many fitting layouts to list")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from parallel.planner import OPTION_LADDER, make_plan, plan_input_from_recipe, search_layouts, with_options
+    from sao_megatron.config import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides, check_files=False)
+    inp = plan_input_from_recipe(recipe, args.gpus, args.gpu, optimizer_offload=args.optimizer_offload,
+                                 critic_placement=args.critic_placement, kv_dtype=args.kv_cache_dtype)
+    plan = make_plan(inp)
+    print(render_plan(plan, recipe.model.shape_preset or recipe.model.path))
+    suggestions, used = [], {}
+    for options in OPTION_LADDER:
+        suggestions = search_layouts(with_options(inp, options), limit=args.suggest)
+        if suggestions:
+            used = options
+            break
+    print(render_suggestions(suggestions, used))
+    return 0 if plan.fits else 1
+
+
+def gib(value: float) -> str:
+    return f"{value / 1024 ** 3:.1f}"
+
+
+def render_plan(plan, model_name: str) -> str:
+    from parallel.model_shapes import count_parameters
+
+    inp = plan.inp
+    counts = count_parameters(inp.cfg)
+    lines = [f"model {model_name}: {counts.total / 1e9:.2f}B parameters, {counts.active / 1e9:.2f}B active",
+             f"allocation: {inp.gpus} x {inp.gpu.name} ({inp.gpu.memory_gib} GiB): {plan.world} trainer GPUs, "
+             + (f"{inp.rollout_gpus} rollout GPUs" if inp.rollout_gpus else "engines colocated")]
+    if plan.problem:
+        return "\n".join(lines + [f"layout {inp.layout.short()}: cannot run: {plan.problem}", "verdict: DOES NOT FIT"])
+    lay = inp.layout
+    lines.append(f"layout {lay.short()}: dp {lay.dp(plan.world)}, expert-dp {lay.expert_dp(plan.world)}, recompute "
+                 f"{inp.train.recompute}, micro-batch {inp.train.micro_batch_tokens} tokens, distributed optimizer "
+                 f"{'on' if inp.train.distributed_optimizer else 'off'}, optimizer offload "
+                 f"{'on' if inp.train.optimizer_offload else 'off'}")
+    lines.append(f"{'GiB per GPU':<22}{'params':>9}{'weights':>9}{'grads':>9}{'optim':>9}{'activ':>9}{'total':>9}")
+    for name, mem in (("policy", plan.policy), ("critic", plan.critic)):
+        if mem is not None:
+            lines.append(f"{name + f' (stage {mem.stage})':<22}{mem.params / 1e9:>8.2f}B{gib(mem.weights):>9}"
+                         f"{gib(mem.gradients):>9}{gib(mem.optimizer):>9}{gib(mem.activations):>9}{gib(mem.total):>9}")
+    lines.append(f"trainer peak ({'both models resident' if inp.critic_placement == 'shared' else 'one model at a time'}"
+                 f" + runtime reserve): {gib(plan.trainer_total)} GiB")
+    if plan.host_per_gpu:
+        lines.append(f"host memory for offloaded/swapped state: {gib(plan.host_per_gpu * inp.gpus_per_node)} GiB "
+                     f"per node ({inp.gpus_per_node} GPUs)")
+    lines.append(render_engine(plan))
+    lines += [f"note: {n}" for n in plan.notes]
+    verdict = "FITS" if plan.fits else "DOES NOT FIT"
+    lines.append(f"verdict: {verdict} (peak {gib(plan.peak)} of {inp.gpu.memory_gib} GiB per GPU)")
+    return "\n".join(lines)
+
+
+def render_engine(plan) -> str:
+    eng, opts, inp = plan.engine, plan.inp.engine, plan.inp
+    return (f"engine x{plan.engines} (tp {opts.tp}, ep {opts.ep}, dp-attention {opts.dp_attention or 'off'}, "
+            f"{'fp8' if opts.fp8_weights else 'bf16'} weights, {opts.kv_dtype} KV): weights {gib(eng.weights)} GiB/GPU, "
+            f"KV pool {gib(max(eng.kv_pool, 0))} GiB/GPU at {eng.kv_bytes_per_token / 1024:.1f} KiB/token -> "
+            f"{eng.tokens_per_engine / 1e6:.2f}M tokens per engine, in-flight need {plan.kv_demand / 1e6:.2f}M "
+            f"({_kv_word(plan)})")
+
+
+def _kv_word(plan) -> str:
+    if not plan.kv_ok:
+        return "less than one sequence"
+    return "ok" if plan.engine.tokens_per_engine >= plan.kv_demand else "requests will queue"
+
+
+def render_suggestions(plans, options: dict) -> str:
+    if not plans:
+        return "no layout over tp/pp/cp/ep fits this allocation, even with optimizer offload and critic swap: add GPUs"
+    extra = " + ".join(f"{k.replace('_', ' ')} = {v}" for k, v in options.items())
+    head = "layouts that fit" + (f" (needs {extra})" if extra else "") + ":"
+    rows = [f"  {p.inp.layout.short():<28} peak {gib(p.peak)} GiB" for p in plans]
+    return "\n".join([head] + rows)
