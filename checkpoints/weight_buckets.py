@@ -1,0 +1,70 @@
+"""Sender side of the weight-update group and the flattened-bucket payload.
+
+Group formation follows SGLang's init_custom_process_group (docs/engines.md): the sender is rank 0
+and hosts a TCPStore at master_address:master_port; every engine rank r joins with
+rendezvous("tcp://addr:port", r, world), wraps the store in PrefixStore(group_name, store) and builds
+a backend group on it. That group is separate from the default (Megatron) process group, so the
+trainer's own groups are never touched.
+
+Payload of one bucket (load_format "flattened_bucket"): ONE uint8 tensor, the concatenation in
+`names` order of each tensor's bytes (t.contiguous().view(-1).view(uint8)), no padding; its length is
+sum(numel * itemsize). This is SGLang's FlattenedTensorBucket layout.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+
+
+@dataclass
+class Bucket:
+    names: list[str]
+    tensors: list[torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def meta(self) -> tuple[list[str], list[str], list[list[int]]]:
+        """(names, dtype names as SGLang resolves them with getattr(torch, name), shapes)."""
+        return (list(self.names), [str(t.dtype).removeprefix("torch.") for t in self.tensors],
+                [list(t.shape) for t in self.tensors])
+
+    def flatten(self, device: str = "cpu") -> torch.Tensor:
+        if not self.tensors:
+            return torch.empty(0, dtype=torch.uint8, device=device)
+        return torch.cat([t.detach().to(device).contiguous().view(-1).view(torch.uint8) for t in self.tensors])
+
+
+def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+    """Group a stream into buckets of at most `bucket_bytes` (a larger tensor travels alone)."""
+    current = Bucket([], [])
+    for name, tensor in named_tensors:
+        size = tensor.numel() * tensor.element_size()
+        if current.names and current.nbytes + size > bucket_bytes:
+            yield current
+            current = Bucket([], [])
+        current.names.append(name)
+        current.tensors.append(tensor)
+    if current.names:
+        yield current
+
+
+def create_sender_group(master_address: str, master_port: int, world_size: int, group_name: str,
+                        backend: str, timeout_s: float):
+    """Rank 0 of the weight-update group: host the store and wait for every engine rank to join."""
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    url = f"tcp://{master_address}:{master_port}"
+    store, rank, world = next(c10d.rendezvous(url, 0, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = c10d._new_process_group_helper(world, rank, [], c10d.Backend(backend),
+                                              c10d.PrefixStore(group_name, store),
+                                              group_name=group_name, timeout=timeout)
+    # Ranks of a helper-built group are its own; register the identity map so collectives accept it.
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world)}
+    return group

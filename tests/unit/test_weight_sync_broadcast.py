@@ -1,0 +1,127 @@
+"""BroadcastWeightSync / DiskWeightSync against in-process fake engines over a real gloo group."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from checkpoints.weight_buckets import Bucket, iter_buckets
+from checkpoints.weight_sync import (BroadcastWeightSync, DiskWeightSync, WeightMismatchError, build_weight_sync,
+                                     check_weight_update_equal, non_expert_first)
+from rollout.engine import EngineError
+from sao_megatron.config import WeightSyncConfig
+
+from weight_sync_fakes import FakeEngine
+
+
+def _named():
+    g = torch.Generator().manual_seed(0)
+    return [("model.embed_tokens.weight", torch.randn(105, 64, generator=g)),
+            ("model.layers.0.mlp.experts.3.up_proj.weight", torch.randn(64, 64, generator=g)),
+            ("model.layers.0.self_attn.q_proj.weight", torch.randn(128, 64, generator=g).to(torch.bfloat16)),
+            ("model.layers.0.mlp.gate.weight", torch.randn(8, 64, generator=g)),
+            ("model.layers.1.mlp.experts.0.down_proj.weight", torch.randn(64, 32, generator=g)),
+            ("model.norm.weight", torch.randn(64, generator=g))]
+
+
+def test_buckets_respect_size_and_order():
+    named = _named()
+    buckets = list(iter_buckets(named, bucket_bytes=64 * 64 * 4 + 10))
+    assert [n for b in buckets for n in b.names] == [n for n, _ in named]
+    assert all(b.nbytes <= 64 * 64 * 4 + 10 or len(b.names) == 1 for b in buckets)
+    b = Bucket(["a", "b"], [torch.tensor([1.0]), torch.tensor([2], dtype=torch.int16)])
+    assert b.flatten().tolist() == list(torch.tensor([1.0]).view(torch.uint8).tolist()) + [2, 0]
+    assert b.meta() == (["a", "b"], ["float32", "int16"], [[1], [1]])
+
+
+def test_non_expert_first_keeps_relative_order():
+    names = [n for n, _ in non_expert_first(_named())]
+    assert names == ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.gate.weight",
+                     "model.norm.weight", "model.layers.0.mlp.experts.3.up_proj.weight",
+                     "model.layers.1.mlp.experts.0.down_proj.weight"]
+
+
+async def _closing(engines, fn):
+    try:
+        return await fn(engines)
+    finally:
+        for e in engines:
+            await e.close()
+
+
+def test_broadcast_delivers_bit_exact_to_every_engine_and_sets_version():
+    async def scenario(engines):
+        sync = build_weight_sync(WeightSyncConfig(bucket_mb=0.02, timeout_s=60), engines)
+        assert isinstance(sync, BroadcastWeightSync)
+        await sync.push(_named(), version=3)
+        second = [(n, t + 1) for n, t in _named()]
+        await sync.push(second, version=4)   # the group is reused
+        checked = await check_weight_update_equal(engines, second)
+        versions = [await e.weight_version() for e in engines]
+        q = await engines[0].get_weights_by_name("model.layers.0.self_attn.q_proj.weight")
+        await sync.close()
+        return checked, sync.bytes_sent, versions, q.dtype
+
+    engines = [FakeEngine("e0"), FakeEngine("e1")]
+    checked, sent, versions, q_dtype = asyncio.run(_closing(engines, scenario))
+    assert checked == 6 and sent == 2 * sum(t.numel() * t.element_size() for _, t in _named())
+    assert versions == [4, 4] and q_dtype == torch.bfloat16 and [e.rank for e in engines] == [1, 2]
+    for e in engines:
+        assert e.calls[:4] == ["health", "pause_generation:in_place", "flush_cache", "init_weights_update_group"]
+        assert e.calls.count("update_weights_from_distributed") == 2 * 4  # 4 buckets of <= 20 KiB per push
+        assert e.calls.count("continue_generation") == 2
+
+
+def test_dead_engine_is_named():
+    async def scenario(engines):
+        await BroadcastWeightSync(WeightSyncConfig(timeout_s=5), engines).push(_named(), version=1)
+
+    with pytest.raises(EngineError, match="engine killed-7: health check failed"):
+        asyncio.run(_closing([FakeEngine("alive"), FakeEngine("killed-7", dead=True)], scenario))
+
+
+def test_hung_engine_times_out_naming_it():
+    async def scenario(engines):
+        sync = BroadcastWeightSync(WeightSyncConfig(timeout_s=60), engines)
+        await sync.connect()          # the fakes' process start is slow on 2 cores; time only the transfer
+        sync.cfg.timeout_s = 3
+        await sync.push(_named(), version=1)
+
+    with pytest.raises(EngineError, match=r"engine stuck.*: weights bucket 0 .* did not finish within 3s"):
+        asyncio.run(_closing([FakeEngine("ok"), FakeEngine("stuck", hang=True)], scenario))
+
+
+def test_check_equal_names_the_differing_tensor():
+    async def main():
+        engine = FakeEngine("e0")
+        try:
+            for name, tensor in _named():
+                await engine.set_weight(name, tensor)
+            bad = dict(_named())["model.norm.weight"].clone()
+            bad[5] += 1e-3
+            await engine.set_weight("model.norm.weight", bad)
+            await check_weight_update_equal([engine], _named())
+        finally:
+            await engine.close()
+
+    with pytest.raises(WeightMismatchError, match=r"engine e0: model.norm.weight differs .* 1 of 64"):
+        asyncio.run(main())
+
+
+def test_disk_sync_writes_shards_and_keeps_latest(tmp_path):
+    async def scenario(engines):
+        sync = build_weight_sync(WeightSyncConfig(method="disk", timeout_s=60), engines, run_dir=tmp_path)
+        assert isinstance(sync, DiskWeightSync)
+        await sync.push(_named(), version=1)
+        await sync.push([(n, t * 2) for n, t in _named()], version=2)
+        await check_weight_update_equal(engines, [(n, t * 2) for n, t in _named()])
+        return await engines[0].weight_version()
+
+    assert asyncio.run(_closing([FakeEngine("e0")], scenario)) == 2
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v2"]
+
+
+def test_unknown_method_and_no_engines_refused():
+    with pytest.raises(ValueError, match="no engines"):
+        build_weight_sync(WeightSyncConfig(), [])
