@@ -59,12 +59,14 @@ def launch_local_ranks(recipe: Recipe, resolved: Path, world: int) -> int:
 
 def run_rank(recipe: Recipe) -> int:
     """One trainer rank: join the process group, build services, run the loop."""
-    from parallel.distributed import init_distributed
+    from parallel.distributed import init_distributed, single_process_port
 
     from .loop import Trainer
     from .services import Services
 
-    rank, world = init_distributed(recipe)
+    single_process_port()
+    env = init_distributed("auto")
+    rank, world = env.rank, env.world_size
     trainer = Trainer(recipe, Services(recipe, rank=rank, world_size=world))
     asyncio.run(trainer.train())
     if rank == 0:
