@@ -1,0 +1,187 @@
+"""Process groups: start from torchrun / mpirun / srun, Megatron's parallel_state, teardown, test spawner.
+
+- ``init_distributed(backend)`` reads rank and world from torchrun (RANK, WORLD_SIZE), Open MPI
+  (OMPI_COMM_WORLD_*; mpi4py as a fallback) or slurm (SLURM_PROCID, SLURM_NTASKS), installs the CPU shim
+  when CUDA is absent, and creates the default group with a timeout.
+- ``init_model_parallel(dims, seed)`` builds Megatron's groups from a validated ParallelDims.
+- ``teardown_model_parallel()`` undoes it so the next layout can reuse the same processes.
+- ``run_distributed_test(fn, world_size)`` runs ``fn`` on N spawned ranks; a rank's exception comes back
+  with its traceback, a stuck rank is killed after ``timeout_s``.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .dims import ParallelDims
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    source: str   # torchrun | mpirun | srun | single
+
+
+def detect_rank_env(env=None) -> RankEnv:
+    """Which launcher started this process, and our place in it (single process when none did)."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return RankEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)), "torchrun")
+    if "OMPI_COMM_WORLD_RANK" in env:
+        return RankEnv(int(env["OMPI_COMM_WORLD_RANK"]), int(env["OMPI_COMM_WORLD_SIZE"]),
+                       int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)), "mpirun")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return RankEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)), "srun")
+    if "PMIX_RANK" in env or "PMI_RANK" in env:
+        return _rank_env_from_mpi4py()
+    return RankEnv(0, 1, 0, "single")
+
+
+def _rank_env_from_mpi4py() -> RankEnv:
+    try:
+        from mpi4py import MPI
+    except ImportError as err:
+        raise RuntimeError("started under an MPI launcher without OMPI_* variables and mpi4py is missing: "
+                           "pip install mpi4py") from err
+    comm = MPI.COMM_WORLD
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+    return RankEnv(comm.Get_rank(), comm.Get_size(), local, "mpirun")
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise RuntimeError("backend nccl needs CUDA; this machine has none: use backend gloo")
+    return backend
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> RankEnv:
+    """Create the default process group (idempotent). MASTER_ADDR/PORT default to 127.0.0.1:29500."""
+    from .cpu_shim import install_cpu_shim
+
+    install_cpu_shim()
+    info = detect_rank_env()
+    if torch.distributed.is_initialized():
+        return info
+    backend = resolve_backend(backend)
+    if backend == "nccl":
+        torch.cuda.set_device(info.local_rank)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    torch.distributed.init_process_group(
+        backend=backend, rank=info.rank, world_size=info.world_size,
+        timeout=datetime.timedelta(seconds=timeout_s))
+    return info
+
+
+def init_model_parallel(dims: ParallelDims, seed: int = 1234, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Megatron's groups for `dims` (validated against the world first) and its per-rank RNG states."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    dims.validate(torch.distributed.get_world_size())
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
+        virtual_pipeline_model_parallel_size=dims.vpp_or_none, context_parallel_size=dims.cp,
+        expert_model_parallel_size=dims.ep, expert_tensor_parallel_size=dims.etp,
+        distributed_timeout_minutes=max(1, int(timeout_s // 60)))
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def teardown_model_parallel() -> None:
+    """Destroy Megatron's groups and the router-replay registry (both are process-global)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    RouterReplay.clear_global_router_replay_instances()
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+
+
+def single_process_port() -> None:
+    """Without a launcher, pick a free MASTER_PORT so concurrent single-rank runs never collide."""
+    if detect_rank_env().source == "single" and "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(free_port())
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(fn, rank, world_size, port, backend, args, results) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        torch.set_num_threads(1)
+        init_distributed(backend)
+        out = fn(*args)
+        results.put((rank, "ok", out))
+    except BaseException as err:  # noqa: BLE001 - shipped to the parent with the traceback
+        results.put((rank, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+class DistributedTestError(RuntimeError):
+    """A rank raised, died or did not finish in time."""
+
+
+def run_distributed_test(fn: Callable[..., Any], world_size: int = 2, backend: str = "gloo",
+                         timeout_s: float = DEFAULT_TIMEOUT_S, args: tuple = ()) -> list[Any]:
+    """Run ``fn(*args)`` on `world_size` spawned ranks; return each rank's result, rank order.
+
+    `fn` must be importable (module level). The first failing rank's traceback is raised here; ranks
+    still running after `timeout_s` (or after a peer failed) are killed, never waited on forever.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, backend, args, results), daemon=True)
+             for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    try:
+        return _collect(procs, results, world_size, timeout_s)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=10)
+
+
+def _collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+    outputs: dict[int, Any] = {}
+    while len(outputs) < world_size:
+        left = (deadline - datetime.datetime.now()).total_seconds()
+        if left <= 0:
+            missing = sorted(set(range(world_size)) - set(outputs))
+            raise DistributedTestError(f"ranks {missing} did not finish within {timeout_s:.0f}s")
+        try:
+            rank, status, payload = results.get(timeout=min(left, 1.0))
+        except queue.Empty:
+            dead = [i for i, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)
+                    and i not in outputs]
+            if dead and results.empty():
+                raise DistributedTestError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} "
+                                           f"without reporting (killed for memory?)")
+            continue
+        if status == "error":
+            raise DistributedTestError(f"rank {rank} failed:\n{payload}")
+        outputs[rank] = payload
+    return [outputs[r] for r in range(world_size)]

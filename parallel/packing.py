@@ -1,0 +1,98 @@
+"""Micro-batches chosen by a token budget, and the global token count the loss divides by.
+
+A micro-batch is a TrainBatch of right-padded rows; its cost is rows x padded length. Rows are
+taken in order (no reordering, so results map back to the caller's rows) and a new micro-batch
+starts when adding a row would exceed the budget. The padded length is rounded up to a multiple of
+`seq_multiple` (tp under sequence parallel: Megatron splits the sequence evenly over TP ranks).
+"""
+from __future__ import annotations
+
+from dataclasses import fields, replace
+
+import torch
+
+from sao_megatron.records import TrainBatch
+
+_ROW_FIELDS = ("tokens", "lengths", "loss_mask", "rollout_logprobs", "advantages", "returns", "weight_versions",
+               "old_logprobs", "ref_logprobs", "old_values", "routed_experts")
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def slice_rows(batch: TrainBatch, rows: slice, seq_len: int) -> TrainBatch:
+    """Rows `rows` of `batch`, trimmed or padded to `seq_len` positions (pad: token 0, masks 0, routes -1)."""
+    out = {}
+    for f in fields(batch):
+        value = getattr(batch, f.name)
+        if f.name in _ROW_FIELDS and isinstance(value, torch.Tensor):
+            part = value[rows]
+            if part.dim() >= 2:
+                part = _fit(part, seq_len, -1 if f.name == "routed_experts" else 0)
+            out[f.name] = part
+        elif f.name == "sample_uids":
+            out[f.name] = list(value[rows])
+        else:
+            out[f.name] = value
+    return TrainBatch(**out)
+
+
+def _fit(t: torch.Tensor, seq_len: int, pad_value) -> torch.Tensor:
+    if t.shape[1] >= seq_len:
+        return t[:, :seq_len].contiguous()
+    pad = t.new_full((t.shape[0], seq_len - t.shape[1], *t.shape[2:]), pad_value)
+    return torch.cat([t, pad], dim=1)
+
+
+def pad_seq(batch: TrainBatch, seq_multiple: int) -> TrainBatch:
+    """Pad the sequence dimension to a multiple of `seq_multiple`."""
+    seq = round_up(int(batch.tokens.shape[1]), seq_multiple)
+    if seq == batch.tokens.shape[1]:
+        return batch
+    return slice_rows(batch, slice(None), seq)
+
+
+def split_by_token_budget(batch: TrainBatch, budget: int, seq_multiple: int = 1) -> list[TrainBatch]:
+    """Consecutive rows grouped so rows x padded_len <= budget (a single longer row stands alone)."""
+    if budget <= 0:
+        raise ValueError(f"parallel.micro_batch_tokens = {budget}; use a positive token budget")
+    lengths = batch.lengths.tolist()
+    groups, start, longest = [], 0, 0
+    for i, n in enumerate(lengths):
+        cand = round_up(max(longest, n), seq_multiple)
+        if i > start and cand * (i - start + 1) > budget:
+            groups.append((start, i, round_up(longest, seq_multiple)))
+            start, longest = i, 0
+        longest = max(longest, n)
+    if lengths:
+        groups.append((start, len(lengths), round_up(longest, seq_multiple)))
+    return [slice_rows(batch, slice(a, b), max(seq, seq_multiple)) for a, b, seq in groups]
+
+
+def local_num_tokens(batches: list[TrainBatch]) -> float:
+    """Action tokens (loss_mask sum) in these micro-batches."""
+    return float(sum(float(b.loss_mask.sum()) for b in batches))
+
+
+def global_num_tokens(batches: list[TrainBatch], group=None) -> float:
+    """Action tokens over these micro-batches and every DP rank of `group` (default: Megatron's DP group)."""
+    total = torch.tensor([local_num_tokens(batches)], dtype=torch.float64)
+    if torch.distributed.is_initialized():
+        if group is None:
+            from megatron.core import parallel_state
+
+            group = parallel_state.get_data_parallel_group()
+        torch.distributed.all_reduce(total, group=group)
+    return float(total.item())
+
+
+def with_global_counts(batches: list[TrainBatch], group=None) -> list[TrainBatch]:
+    """Set global_num_tokens / global_num_seqs on every micro-batch (all DP ranks agree on them)."""
+    seqs = torch.tensor([float(sum(int((b.loss_mask.sum(1) > 0).sum()) for b in batches))], dtype=torch.float64)
+    tokens = global_num_tokens(batches, group)
+    if torch.distributed.is_initialized():
+        from megatron.core import parallel_state
+
+        torch.distributed.all_reduce(seqs, group=group or parallel_state.get_data_parallel_group())
+    return [replace(b, global_num_tokens=tokens, global_num_seqs=float(seqs.item())) for b in batches]

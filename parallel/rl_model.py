@@ -1,0 +1,258 @@
+"""RLModel: the policy or critic Megatron model of this rank, as the trainer sees it.
+
+    model = RLModel.build(recipe, "policy")       # or "critic"
+    model.load_hf_state_dict(hf_tensors)          # full HF state dict -> this rank's shards
+    [(logp, entropy), ...] = model.compute_logprobs(micro_batches)
+    metrics = model.train_step(micro_batches, loss_fn)
+    for name, tensor in model.export_hf(): ...
+
+Batches are this DP rank's micro-batches (``micro_batches(batch)`` splits by the token budget);
+results are replicated on every TP/PP rank of the replica. Conventions follow records.py: value
+and logprob at position t belong to token t and come from the hidden state at t-1; position 0 is 0.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterator, Mapping, Optional
+
+import torch
+
+from sao_megatron.records import LossOutputs, TrainBatch
+
+from . import model_build, specs
+from .dims import ParallelDims
+from .hf_mapping import HFMapping
+from .logprobs import token_logprobs_from_logits
+from .optimizer import OptimSettings, build_optimizer, current_lr, guarded_step, loss_is_finite, wrap_ddp
+from .packing import split_by_token_budget
+from .routing_replay import RouteReplayer
+from .schedule import configure_per_token_loss, run_schedule
+from .weights import export_hf_tensors, load_hf_tensors
+
+ROLES = ("policy", "critic")
+
+
+class RLModel:
+    def __init__(self, role: str, recipe, hf_config: dict, dims: ParallelDims, config, chunks, optimizer,
+                 clip_grad: float):
+        self.role, self.recipe, self.hf_config, self.dims = role, recipe, hf_config, dims
+        self.config, self.chunks, self.optimizer, self.clip_grad = config, chunks, optimizer, clip_grad
+        self.shape = specs.arch_shape(hf_config)
+        self.seq_multiple = dims.tp if dims.sequence_parallel else 1
+        self.replayer = RouteReplayer([c.module for c in chunks], model_build.moe_layer_pattern(config),
+                                      self.shape.top_k, dims.sequence_parallel)
+
+    # -- construction ------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, recipe, role: str) -> "RLModel":
+        """Model + optimizer of this rank under recipe.parallel (initialises process groups if needed)."""
+        if role not in ROLES:
+            raise ValueError(f"RLModel role {role!r}; use 'policy' or 'critic'")
+        hf = model_build.read_hf_config(recipe.model.path)
+        dims = _setup_groups(recipe, specs.arch_shape(hf))
+        dtype = torch.bfloat16 if recipe.model.dtype == "bf16" else torch.float32
+        config = specs.transformer_config(hf, dims, dtype=dtype, dispatcher=recipe.parallel.dispatcher,
+                                          routing_replay=True, fp8=recipe.model.fp8)
+        if recipe.model.recompute != "none":
+            config.recompute_granularity = recipe.model.recompute
+            if recipe.model.recompute == "full":
+                config.recompute_method, config.recompute_num_layers = "uniform", 1
+        configure_per_token_loss(config)
+        critic = role == "critic"
+        chunks = model_build.build_chunks(hf, config, critic, recipe.model.transformer_impl, recipe.model.max_seq_len)
+        if critic and recipe.critic.freeze_attention:
+            model_build.freeze_attention(chunks)
+        ddp = wrap_ddp(chunks, config, recipe.parallel.distributed_optimizer)
+        algo = recipe.algorithm
+        settings = OptimSettings(lr=recipe.critic.lr if critic else algo.lr, weight_decay=algo.weight_decay,
+                                 beta1=algo.adam_beta1, beta2=algo.adam_beta2, clip_grad=algo.grad_clip,
+                                 bf16=dtype == torch.bfloat16, distributed=recipe.parallel.distributed_optimizer)
+        return cls(role, recipe, hf, dims, config, ddp, build_optimizer(ddp, settings), algo.grad_clip)
+
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        """The unwrapped GPTModel chunks of this rank."""
+        return [c.module for c in self.chunks]
+
+    def micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
+        """Split rows by parallel.micro_batch_tokens (padded length a multiple of tp under SP)."""
+        return split_by_token_budget(batch, self.recipe.parallel.micro_batch_tokens, self.seq_multiple)
+
+    # -- weights -----------------------------------------------------------------------------------
+    def _mapping(self) -> HFMapping:
+        heads = int(self.hf_config["num_attention_heads"])
+        groups = self.config.num_query_groups or heads
+        return HFMapping(groups, heads * self.config.kv_channels, self.shape.vocab_size)
+
+    def load_hf_state_dict(self, hf_tensors: Mapping[str, torch.Tensor]) -> None:
+        """Full HF (on-disk names) state dict -> this rank's shards. The critic skips lm_head and keeps
+        its value head; with critic.init_from_policy = false the critic keeps its random init."""
+        if self.role == "critic" and not self.recipe.critic.init_from_policy:
+            return
+        skip = ("output_layer.",) if self.role == "critic" else ()
+        for module in self.modules:
+            load_hf_tensors(module, self._mapping(), hf_tensors, skip)
+
+    def export_hf(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors, gathered over TP/EP/PP, yielded on every rank in the same order.
+        The critic yields its backbone and ``value_head.weight``."""
+        yield from export_hf_tensors(self.modules, self._mapping(), value_head=self.role == "critic")
+
+    # -- forward -----------------------------------------------------------------------------------
+    def _before_forward(self, chunk_index: int, batch: TrainBatch) -> None:
+        self.replayer.set_routes(chunk_index, batch.routed_experts)
+
+    def _forward_only(self, batches: list[TrainBatch], on_output) -> list:
+        for chunk in self.chunks:
+            chunk.eval()
+        try:
+            with torch.no_grad():
+                return run_schedule(self.chunks, batches, self.seq_multiple, on_output, self._before_forward,
+                                    forward_only=True)
+        finally:
+            self.replayer.clear()
+
+    def compute_logprobs(self, batches: list[TrainBatch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per batch (logp [rows, seq], entropy [rows, seq]); no grad; replayed routes when given."""
+        self._require_role("policy", "compute_logprobs")
+
+        def on_output(i, batch, logits):
+            logp, ent = token_logprobs_from_logits(logits, batch.tokens, self.shape.vocab_size)
+            return logp.sum(), {"logp": logp, "entropy": ent}
+
+        store = self._forward_only(batches, on_output)
+        out = _broadcast_from_last_stage(store, [b.tokens.shape for b in batches], ("logp", "entropy"))
+        return [(o["logp"], o["entropy"]) for o in out]
+
+    def compute_values(self, batches: list[TrainBatch]) -> list[torch.Tensor]:
+        """Critic values [rows, seq] per batch (value at t from the hidden state at t-1; 0 at t=0)."""
+        self._require_role("critic", "compute_values")
+
+        def on_output(i, batch, raw):
+            values = _shift_values(raw)
+            return values.sum(), {"values": values}
+
+        store = self._forward_only(batches, on_output)
+        return [o["values"] for o in _broadcast_from_last_stage(store, [b.tokens.shape for b in batches], ("values",))]
+
+    # -- training ----------------------------------------------------------------------------------
+    def train_step(self, batches: list[TrainBatch], loss_fn: Callable[[TrainBatch, dict], LossOutputs]) -> dict[str, float]:
+        """Forward-backward over the micro-batches, then one optimizer step (skipped if non-finite)."""
+        for chunk in self.chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.replayer.agreement.reset()
+        on_output = self._policy_outputs(loss_fn) if self.role == "policy" else self._critic_outputs(loss_fn)
+        try:
+            store = run_schedule(self.chunks, batches, self.seq_multiple, on_output, self._before_forward)
+        finally:
+            self.replayer.clear()
+        metrics = _reduce_metrics(store)
+        finite = loss_is_finite(metrics.get("loss", 0.0))
+        applied, grad_norm = guarded_step(self.optimizer, self.clip_grad, finite)
+        metrics.update(grad_norm=grad_norm, lr=current_lr(self.optimizer), skipped=0.0 if applied else 1.0)
+        if any(b.routed_experts is not None for b in batches):
+            agreement = self.replayer.agreement.reduced()
+            if agreement is not None:
+                metrics["route_agreement"] = agreement
+        return metrics
+
+    def _policy_outputs(self, loss_fn):
+        def on_output(i, batch, logits):
+            logp, ent = token_logprobs_from_logits(logits, batch.tokens, self.shape.vocab_size)
+            return _call_loss(loss_fn, batch, {"logp": logp, "entropy": ent})
+        return on_output
+
+    def _critic_outputs(self, loss_fn):
+        def on_output(i, batch, raw):
+            return _call_loss(loss_fn, batch, {"values": _shift_values(raw)})
+        return on_output
+
+    def _require_role(self, role: str, what: str) -> None:
+        if self.role != role:
+            raise TypeError(f"RLModel.{what} needs the {role} model; this is the {self.role}")
+
+    # -- checkpoint (same layout only) ----------------------------------------------------------------
+    def state_dict_for_checkpoint(self) -> dict:
+        """This rank's model shards and optimizer state (reload under the same parallel layout)."""
+        return {"model": [c.module.state_dict() for c in self.chunks], "optimizer": self.optimizer.state_dict(),
+                "dims": self.dims.__dict__}
+
+    def load_checkpoint(self, state: dict) -> None:
+        if state.get("dims") != self.dims.__dict__:
+            raise ValueError(f"checkpoint layout {state.get('dims')} differs from this run's {self.dims.__dict__}; "
+                             f"resume with the same parallel layout")
+        for chunk, sd in zip(self.chunks, state["model"]):
+            chunk.module.load_state_dict(sd)
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+def _setup_groups(recipe, shape) -> ParallelDims:
+    from megatron.core import parallel_state
+
+    from .distributed import init_distributed, init_model_parallel, single_process_port
+
+    single_process_port()
+    init_distributed(recipe.weight_sync.backend if recipe.weight_sync.backend != "auto" else "auto")
+    world = torch.distributed.get_world_size()
+    dims = ParallelDims.from_config(recipe.parallel, world).validate(world, shape)
+    if not parallel_state.model_parallel_is_initialized():
+        init_model_parallel(dims, seed=recipe.run.seed)
+    return dims
+
+
+def _call_loss(loss_fn, batch: TrainBatch, outputs: dict) -> tuple[torch.Tensor, dict]:
+    result = loss_fn(batch, outputs)
+    metrics = {k: float(v) for k, v in result.metrics.items()}
+    metrics["loss"] = float(result.loss.detach())
+    return result.loss, metrics
+
+
+def _shift_values(raw: torch.Tensor) -> torch.Tensor:
+    values = raw.squeeze(-1).float()
+    return torch.cat([values.new_zeros(values.shape[0], 1), values[:, :-1]], dim=1)
+
+
+def _pp_group_and_last():
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_pipeline_model_parallel_group()
+    last = parallel_state.get_pipeline_model_parallel_last_rank()
+    return group, last, parallel_state.get_pipeline_model_parallel_world_size()
+
+
+def _broadcast_from_last_stage(store: list, shapes: list, keys: tuple) -> list[dict]:
+    """Tensors computed on the last pipeline stage, copied to every stage."""
+    group, last, size = _pp_group_and_last()
+    out = []
+    for i, shape in enumerate(shapes):
+        item = {}
+        for key in keys:
+            tensor = store[i][key].detach().float().contiguous() if store else torch.empty(tuple(shape))
+            if size > 1:
+                torch.distributed.broadcast(tensor, src=last, group=group)
+            item[key] = tensor
+        out.append(item)
+    return out
+
+
+def _reduce_metrics(store: list) -> dict[str, float]:
+    """Sum the last stage's per-micro-batch metrics, share them with every stage, sum over DP."""
+    from megatron.core import parallel_state
+
+    group, last, size = _pp_group_and_last()
+    summed: dict[str, float] = {}
+    for metrics in store or []:
+        for key, value in metrics.items():
+            summed[key] = summed.get(key, 0.0) + float(value)
+    if size > 1:
+        box = [summed]
+        torch.distributed.broadcast_object_list(box, src=last, group=group)
+        summed = box[0]
+    if parallel_state.get_data_parallel_world_size() > 1 and summed:
+        keys = sorted(summed)
+        vec = torch.tensor([summed[k] for k in keys], dtype=torch.float64)
+        torch.distributed.all_reduce(vec, group=parallel_state.get_data_parallel_group())
+        summed = dict(zip(keys, vec.tolist()))
+    return {k: (v if math.isfinite(v) else float("nan")) for k, v in summed.items()}
