@@ -128,6 +128,7 @@ class RolloutConfig:
     request_timeout_s: float = doc(600.0, "Timeout of one generate call.")
     task: str = doc("countdown", "Built-in task (countdown, arithmetic, copy, online) or '' to use dataset.")
     dataset: str = doc("", "Prompt file (jsonl or parquet) with a 'prompt' field (and 'answer').")
+    env_switch_every: int = doc(50, "Task 'online': the rewarded rule switches every this many trainer steps.")
     bad_row: Literal["skip", "fail"] = doc("skip", "A malformed dataset row is reported and skipped, or fails the run.")
     reward_fn: str = doc("", "Reward function import path 'pkg.mod:fn'; '' = the task's own.")
     reward_timeout_s: float = doc(10.0, "Timeout of one reward call; a timeout marks the sample failed.")
@@ -146,6 +147,7 @@ class RolloutConfig:
         _require(self.request_timeout_s > 0, f"{p}.request_timeout_s", "<= 0", "use a positive timeout")
         _require(bool(self.task) or bool(self.dataset), f"{p}.dataset", "neither task nor dataset is set",
                  "set rollout.task (e.g. countdown) or rollout.dataset to a jsonl file")
+        _require(self.env_switch_every >= 1, f"{p}.env_switch_every", "< 1", "use 1 or more steps")
         _require(0 <= self.port < 65536, f"{p}.port", f"{self.port} out of range", "use 0 (auto) or 1024-65535")
 
 

@@ -1,0 +1,76 @@
+"""Run `sao train` on the tiny recipe as subprocesses and read back their metrics (for the
+algorithms, stability and online benchmarks). Each run is its own process: Megatron's parallel state
+and the rollout server never leak from one run into the next.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "recipes" / "tiny_moe_cpu.toml"
+
+
+def train_run(name: str, overrides: list[str], out_root: Path, timeout_s: float = 3600.0) -> list[dict]:
+    """One `sao train` run; returns its metrics.jsonl rows. Raises with the log tail on failure."""
+    out_root.mkdir(parents=True, exist_ok=True)
+    log = out_root / f"{name}.log"
+    cmd = [sys.executable, "-m", "sao_megatron.cli.main", "train", str(TINY), f"run.name='{name}'",
+           f"run.output_dir='{out_root}'", "logging.wandb=false", "logging.console=false", "logging.plot=false",
+           "checkpoint.interval=0", "checkpoint.resume='never'", f"model.path='{out_root / 'model'}'", *overrides]
+    with log.open("w") as fh:
+        proc = subprocess.run(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s)
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text().splitlines()[-20:])
+        raise RuntimeError(f"training run {name} failed (exit {proc.returncode}); log {log}:\n{tail}")
+    rows = [json.loads(line) for line in (out_root / name / "metrics.jsonl").read_text().splitlines() if line]
+    return [r for r in rows if r.get("step", 0) > 0]
+
+
+def series(rows: list[dict], key: str) -> list[float]:
+    return [r[key] for r in rows if r.get(key) is not None]
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return float("nan"), float("nan")
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def final_and_auc(rewards: list[float], tail: int = 5) -> tuple[float, float]:
+    """Final reward = mean of the last `tail` steps; area under the curve = mean reward over all steps."""
+    if not rewards:
+        return float("nan"), float("nan")
+    return statistics.fmean(rewards[-tail:]), statistics.fmean(rewards)
+
+
+def plot_curves(curves: dict[str, list[list[float]]], title: str, path: Path, ylabel: str = "reward") -> None:
+    """Mean curve with a +-1 std band per label, across seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for label, runs in curves.items():
+        length = min(len(r) for r in runs) if runs else 0
+        if not length:
+            continue
+        steps = list(range(1, length + 1))
+        cols = list(zip(*[r[:length] for r in runs]))
+        means = [statistics.fmean(c) for c in cols]
+        stds = [statistics.stdev(c) if len(c) > 1 else 0.0 for c in cols]
+        ax.plot(steps, means, label=label)
+        ax.fill_between(steps, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)], alpha=0.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
