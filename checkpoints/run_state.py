@@ -1,0 +1,186 @@
+"""Run checkpoints: everything that makes a resume lossless, saved atomically with checksums.
+
+A checkpoint is a directory `<root>/step_<step:08d>/` holding, for every trainer rank r, one file per
+component `<name>.rank<r>.pt` (torch.save of the component's state_dict()), a per-rank
+`manifest.rank<r>.json` (size + sha256 of those files) and a top `manifest.json` (step, world size,
+component names, the rank manifests' checksums). Components are passed in by name: policy / critic
+(model + optimizer state, whatever RLModel.state_dict() returns), the rollout driver (prompt cursor,
+sample buffer, in-flight and partial samples as Sample.to_dict), RNG states (RngState below), trainer
+step and weight version, the metric sink's run id.
+
+Model state is plain torch.save of each rank's shard (not Megatron dist_checkpointing): it needs no
+spawned manager or __main__ guard and works on CPU/gloo, but a resume must use the same layout and
+world size (checked at load). Resharding a run checkpoint is a job for `sao convert` through HF.
+
+Atomicity: every rank writes into `.tmp-step_<step>/`; after a barrier rank 0 writes manifest.json and
+renames the directory into place, then rewrites the `latest` pointer (os.replace). A crash at any
+point leaves either the old or the new checkpoint complete. keep_last prunes the oldest complete ones.
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from .manifest import (CheckpointCorruptError, describe_files, read_manifest, verify_files,
+                       write_json_durably)
+
+LATEST = "latest"
+PREFIX = "step_"
+
+
+def _dist_info() -> tuple[int, int, Callable[[], None]]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), dist.barrier
+    return 0, 1, lambda: None
+
+
+class RunCheckpointer:
+    def __init__(self, root: str | Path, keep_last: int = 2, rank: Optional[int] = None,
+                 world_size: Optional[int] = None, barrier: Optional[Callable[[], None]] = None):
+        if keep_last < 1:
+            raise ValueError(f"checkpoint.keep_last={keep_last}; fix: keep at least 1 checkpoint")
+        d_rank, d_world, d_barrier = _dist_info()
+        self.root, self.keep_last = Path(root), keep_last
+        self.rank = d_rank if rank is None else rank
+        self.world_size = d_world if world_size is None else world_size
+        self.barrier = barrier or d_barrier
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, components: dict) -> Path:
+        """Save every component's state_dict(); returns the checkpoint directory."""
+        final = self.root / f"{PREFIX}{step:08d}"
+        tmp = self.root / f".tmp-{final.name}"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.barrier()
+        names = []
+        for name, component in components.items():
+            fname = f"{name}.rank{self.rank:05d}.pt"
+            _save_durably(component.state_dict(), tmp / fname)
+            names.append(fname)
+        write_json_durably(tmp / f"manifest.rank{self.rank:05d}.json", {"files": describe_files(tmp, names)})
+        self.barrier()
+        if self.rank == 0:
+            self._publish(tmp, final, step, sorted(components))
+        self.barrier()
+        return final
+
+    def _publish(self, tmp: Path, final: Path, step: int, components: list[str]) -> None:
+        ranks = [f"manifest.rank{r:05d}.json" for r in range(self.world_size)]
+        write_json_durably(tmp / "manifest.json", {"step": step, "world_size": self.world_size, "components": components,
+                                                   "rank_manifests": describe_files(tmp, ranks), "created": time.time()})
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        (self.root / (LATEST + ".tmp")).write_text(final.name)
+        os.replace(self.root / (LATEST + ".tmp"), self.root / LATEST)
+        self._prune()
+
+    def _prune(self) -> None:
+        for old in self.list()[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    # ------------------------------------------------------------------ load
+    def list(self) -> list[Path]:
+        """Published checkpoints (with a manifest), oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = [p for p in self.root.glob(f"{PREFIX}*") if p.is_dir() and (p / "manifest.json").is_file()]
+        return sorted(found, key=lambda p: p.name)
+
+    def latest(self) -> Optional[Path]:
+        pointer = self.root / LATEST
+        if pointer.is_file():
+            return self.root / pointer.read_text().strip()
+        found = self.list()
+        return found[-1] if found else None
+
+    def load(self, components: dict, path: str | Path | None = None) -> Optional[Path]:
+        """Verify and load the checkpoint at `path` (default: latest) into `components`.
+        Returns the directory, or None when there is nothing to resume from (and no path was asked)."""
+        ckpt = Path(path) if path is not None else self.latest()
+        if ckpt is None:
+            return None
+        fallback = self._fallback_hint(ckpt)
+        top = read_manifest(ckpt / "manifest.json", fallback)
+        if top["world_size"] != self.world_size:
+            raise CheckpointCorruptError(f"{ckpt} was saved by {top['world_size']} ranks, this run has {self.world_size}; "
+                                         f"fix: resume with the same layout, or convert through HF (sao convert)")
+        missing = sorted(set(components) - set(top["components"]))
+        if missing:
+            raise CheckpointCorruptError(f"{ckpt} has no state for component(s) {missing} (it holds {top['components']})")
+        verify_files(ckpt, top["rank_manifests"], fallback)
+        own = read_manifest(ckpt / f"manifest.rank{self.rank:05d}.json", fallback)
+        verify_files(ckpt, own["files"], fallback)
+        for name, component in components.items():
+            state = torch.load(ckpt / f"{name}.rank{self.rank:05d}.pt", map_location="cpu", weights_only=False)
+            component.load_state_dict(state)
+        return ckpt
+
+    def _fallback_hint(self, ckpt: Path) -> str:
+        older = [p for p in self.list() if p.name < ckpt.name]
+        if older:
+            return f"; fix: resume from the previous checkpoint with checkpoint.resume={older[-1]}"
+        return "; no earlier checkpoint exists: fix: start fresh with checkpoint.resume=never"
+
+
+def _save_durably(obj, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class RngState:
+    """Python, numpy and torch (CPU, and CUDA when present) generator states as one component."""
+
+    def state_dict(self) -> dict:
+        import numpy as np
+
+        state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        import numpy as np
+
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class ValueState:
+    """Wrap plain values (step, weight version, metric-sink run id) as a component: get/set callables."""
+
+    def __init__(self, get: Callable[[], dict], set: Callable[[dict], None]):
+        self._get, self._set = get, set
+
+    def state_dict(self) -> dict:
+        return dict(self._get())
+
+    def load_state_dict(self, state: dict) -> None:
+        self._set(state)
+
+
+__all__ = ["RunCheckpointer", "RngState", "ValueState", "CheckpointCorruptError"]
