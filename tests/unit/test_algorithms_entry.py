@@ -149,3 +149,20 @@ def test_compute_advantages_reinforce_pp_uses_token_rewards():
                                      mask=T([[1, 1, 1], [1, 1, 0]]), seq_rewards=T([1.0, 2.0]), group_ids=T([0, 1]),
                                      response_lengths=T([3, 2]))
     assert ret is None and torch.allclose(adv, T([[-0.730297] * 3, [1.095445, 1.095445, 0.0]]), atol=1e-5)
+
+
+def test_docs_recipe_table_matches_presets():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "algorithms.md").read_text()
+    rows = {}
+    for line in doc.splitlines():
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        if len(cells) == 7 and cells[0] in PRESETS:
+            rows[cells[0]] = cells
+    assert set(rows) == set(PRESETS)
+    for name, (_, loss, advantage, eps, _, _, _) in rows.items():
+        preset = PRESETS[name]
+        assert (loss, advantage) == (preset["algorithm.loss"], preset["algorithm.advantage"]), name
+        low, high = (float(x) for x in eps.split("/"))
+        assert (low, high) == (preset["algorithm.eps_low"], preset["algorithm.eps_high"]), name
