@@ -13,8 +13,9 @@ sequence importance ratio, is used for every token of sequence i.
 
 Sources: TIS / MIS: F. Yao, L. Liu et al., "Your Efficient RL Framework Secretly Brings You Off-Policy
 RL Training" (2025 blog) and its follow-up on masked IS; IcePop: Ling team, Ring-1T report
-("Every Step Evolves", Oct 2025), M(k) = k on [alpha, beta] else 0. Token-level MIS and IcePop coincide in formula; they keep
-separate names because recipes cite them with different bands (MIS [0.5, 2], IcePop [0.5, 5]).
+("Every Step Evolves", Oct 2025), M(k) = k on [alpha, beta] else 0. Token-level MIS and IcePop
+coincide in formula; they keep separate names because recipes cite them with different bands
+(MIS [0.5, 2], IcePop [0.5, 5]).
 
 Masked tokens keep their place in the loss denominator (the global counts are fixed before the forward
 pass), so a dropped token lowers the step's effective size rather than re-weighting the others.

@@ -17,7 +17,7 @@ from sao_megatron.algorithms.aggregation import Aggregation
 from sao_megatron.config import AlgorithmConfig
 from sao_megatron.records import LossInputs
 
-FAST = settings(max_examples=40, deadline=None)
+FAST = settings(max_examples=40, deadline=None, database=None)  # no example database in the shared tree
 LOSSES = ("dis", "ppo", "gspo", "gspo_token", "cispo")
 NORM_LEN = 16.0  # constant L for seq-mean-token-sum-norm, so shape changes do not matter
 
