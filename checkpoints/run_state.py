@@ -8,6 +8,7 @@ component names, the rank manifests' checksums). Components are passed in by nam
 sample buffer, in-flight and partial samples as Sample.to_dict), RNG states (RngState below), trainer
 step and weight version, the metric sink's run id.
 
+A component offering state_dict_for_checkpoint()/load_checkpoint() (RLModel) is saved through those.
 Model state is plain torch.save of each rank's shard (not Megatron dist_checkpointing): it needs no
 spawned manager or __main__ guard and works on CPU/gloo, but a resume must use the same layout and
 world size (checked at load). Resharding a run checkpoint is a job for `sao convert` through HF.
@@ -65,7 +66,7 @@ class RunCheckpointer:
         names = []
         for name, component in components.items():
             fname = f"{name}.rank{self.rank:05d}.pt"
-            _save_durably(component.state_dict(), tmp / fname)
+            _save_durably(_state_of(component), tmp / fname)
             names.append(fname)
         write_json_durably(tmp / f"manifest.rank{self.rank:05d}.json", {"files": describe_files(tmp, names)})
         self.barrier()
@@ -124,7 +125,7 @@ class RunCheckpointer:
         verify_files(ckpt, own["files"], fallback)
         for name, component in components.items():
             state = torch.load(ckpt / f"{name}.rank{self.rank:05d}.pt", map_location="cpu", weights_only=False)
-            component.load_state_dict(state)
+            _load_into(component, state)
         return ckpt
 
     def _fallback_hint(self, ckpt: Path) -> str:
@@ -132,6 +133,20 @@ class RunCheckpointer:
         if older:
             return f"; fix: resume from the previous checkpoint with checkpoint.resume={older[-1]}"
         return "; no earlier checkpoint exists: fix: start fresh with checkpoint.resume=never"
+
+
+def _state_of(component):
+    """RLModel exposes state_dict_for_checkpoint() (model shards + optimizer); the rest state_dict()."""
+    if hasattr(component, "state_dict_for_checkpoint"):
+        return component.state_dict_for_checkpoint()
+    return component.state_dict()
+
+
+def _load_into(component, state) -> None:
+    if hasattr(component, "load_checkpoint"):
+        component.load_checkpoint(state)
+    else:
+        component.load_state_dict(state)
 
 
 def _save_durably(obj, path: Path) -> None:
