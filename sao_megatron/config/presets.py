@@ -20,9 +20,11 @@ PRESETS: dict[str, dict] = {
                  "algorithm.eps_high": 5.0, **_GROUP},
     # GSPO (arXiv 2507.18071): sequence ratio, tiny clip range, 4 mini-batches per rollout batch.
     "gspo": {"algorithm.loss": "gspo", "algorithm.advantage": "grpo", "algorithm.eps_low": 3e-4,
-             "algorithm.eps_high": 4e-4, "algorithm.mini_batches": 4, **_GROUP},
+             "algorithm.eps_high": 4e-4, "algorithm.mini_batches": 4,
+             "algorithm.loss_agg": "seq-mean-token-mean", **_GROUP},
     "gspo_token": {"algorithm.loss": "gspo_token", "algorithm.advantage": "grpo", "algorithm.eps_low": 3e-4,
-                   "algorithm.eps_high": 4e-4, "algorithm.mini_batches": 4, **_GROUP},
+                   "algorithm.eps_high": 4e-4, "algorithm.mini_batches": 4,
+                   "algorithm.loss_agg": "seq-mean-token-mean", **_GROUP},
     # DAPO: clip-higher, dynamic sampling, token-level loss.
     "dapo": {"algorithm.loss": "ppo", "algorithm.advantage": "grpo", "algorithm.eps_low": 0.2,
              "algorithm.eps_high": 0.28, "algorithm.dynamic_sampling": True,

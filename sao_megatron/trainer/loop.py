@@ -81,7 +81,7 @@ class Trainer:
         if algo.loss != "dis" and algo.mini_batches > 1:  # PPO-style losses need pi_old before any update
             for batch, (logp, _) in zip(batches, policy.compute_logprobs(batches)):
                 batch.old_logprobs = logp
-        loss_fn = steps.policy_loss_fn(algo)
+        loss_fn = steps.policy_loss_fn(algo, norm_len=float(self.recipe.rollout.max_new_tokens))
         stats = {}
         for part in _split(batches, algo.mini_batches):
             _rescale(part)

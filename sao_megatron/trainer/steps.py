@@ -23,8 +23,11 @@ def compute_step_advantages(cfg: AlgorithmConfig, samples: list[Sample], resp: R
     return advantages, returns, values, metrics
 
 
-def policy_loss_fn(cfg: AlgorithmConfig):
-    """loss_fn(batch, outputs) for RLModel.train_step: the configured policy loss plus the mismatch metric."""
+def policy_loss_fn(cfg: AlgorithmConfig, norm_len: float):
+    """loss_fn(batch, outputs) for RLModel.train_step: the configured policy loss plus the mismatch metric.
+
+    `norm_len` is the constant L of seq-mean-token-sum-norm (Dr.GRPO): the response token budget.
+    """
     from sao_megatron.algorithms import compute_policy_loss
 
     def loss_fn(batch: TrainBatch, outputs: dict) -> LossOutputs:
@@ -33,7 +36,7 @@ def policy_loss_fn(cfg: AlgorithmConfig):
             logp=logp, rollout_logp=batch.rollout_logprobs, advantages=batch.advantages, mask=batch.loss_mask,
             old_logp=batch.old_logprobs, ref_logp=batch.ref_logprobs, entropy=outputs.get("entropy"),
             global_num_tokens=batch.global_num_tokens, global_num_seqs=batch.global_num_seqs)
-        out = compute_policy_loss(cfg, inputs)
+        out = compute_policy_loss(cfg, inputs, norm_len=norm_len)
         # |logp_train - logp_rollout| over action tokens, scaled so micro-batches add up to the step mean.
         diff = ((logp.detach() - batch.rollout_logprobs).abs() * batch.loss_mask).sum()
         out.metrics["train_rollout_logprob_abs_diff"] = diff / max(batch.global_num_tokens, 1.0)
