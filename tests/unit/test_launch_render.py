@@ -1,0 +1,191 @@
+"""`sao launch`: the rendered sbatch script, engine placement, and the script's bash run against fake
+srun/scontrol (node split, trainer step, SIGUSR1 -> checkpoint signal -> requeue)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from launch.engines import engine_slots
+from launch.render import JobPaths, job_layout, load_launch_recipe, render_script, rollout_node_script, write_job
+from sao_megatron.config import ConfigError, load_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPES = REPO / "recipes"
+
+CPU_RECIPE = """
+[run]
+name = "cpu-launch"
+[model]
+path = "models/tiny"
+init_preset = "tiny"
+[rollout]
+engine = "reference"
+[launch]
+nodes = 1
+gpus_per_node = 0
+time_limit = "00:10:00"
+signal_seconds = 30
+"""
+
+
+@pytest.fixture
+def cpu_recipe(tmp_path) -> Path:
+    path = tmp_path / "cpu.toml"
+    path.write_text(CPU_RECIPE)
+    return path
+
+
+def _paths(tmp_path: Path) -> JobPaths:
+    run = tmp_path / "runs" / "r"
+    return JobPaths(tmp_path, run, run / "resolved_recipe.toml", run / "launch" / "job.sbatch")
+
+
+def test_750b_script_splits_40_nodes_and_keeps_hyperparameters_out_of_bash(tmp_path):
+    recipe = load_launch_recipe(RECIPES / "glm5_750b_a40b.toml")
+    script = render_script(recipe, _paths(tmp_path))
+    for line in ("#SBATCH --nodes=40", "#SBATCH --gpus-per-node=8", "#SBATCH --requeue",
+                 "#SBATCH --signal=B:USR1@900", "#SBATCH --time=48:00:00", 'ROLLOUT_NODES=("${NODES[@]:0:8}")',
+                 "--nodes=32 --ntasks-per-node=8", "export SGLANG_NSA_FORCE_MLA=1", "export CUDA_DEVICE_MAX_CONNECTIONS=1"):
+        assert line in script
+    assert 'ENGINE_URLS+=("http://${ROLLOUT_NODES[0]}:30000")' in script and script.count("ENGINE_URLS+=") == 1
+    for hyper in ("lr", "1e-06", "eps_", "batch_size", "micro_batch", "16384", "tp-size"):
+        assert hyper not in script
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+
+
+def test_750b_engine_spans_8_nodes_with_sglang_multinode_flags():
+    recipe = load_launch_recipe(RECIPES / "glm5_750b_a40b.toml")
+    node3 = rollout_node_script(recipe, 3)
+    assert "--tp-size 64 --ep-size 64" in node3 and "--attn-dp-size 64" in node3 and "--quantization fp8" in node3
+    assert "--nnodes 8 --node-rank 3" in node3 and '--dist-init-addr "$HEAD_HOST:29600"' in node3
+    assert "--enable-return-routed-experts" in node3 and '--api-key "$SAO_API_KEY"' in node3
+
+
+def test_qwen_node_runs_two_4_gpu_engines_side_by_side():
+    recipe = load_launch_recipe(RECIPES / "qwen3_30b_a3b.toml")
+    slots = engine_slots(recipe)
+    assert [(s.engine, s.node, s.base_gpu, s.port) for s in slots] == [(0, 0, 0, 30000), (1, 0, 4, 30001)]
+    assert recipe.parallel.world_size == 8 and job_layout(recipe).tasks_per_node == 8
+
+
+def test_glm45_engine_of_32_gpus_spans_its_4_rollout_nodes():
+    recipe = load_launch_recipe(RECIPES / "glm45_355b_a32b.toml")
+    slots = engine_slots(recipe)
+    assert [(s.engine, s.node_rank, s.nnodes, s.head_node) for s in slots] == [(0, r, 4, 0) for r in range(4)]
+
+
+def test_nodes_flag_resizes_the_trainer_world():
+    recipe = load_launch_recipe(RECIPES / "glm5_750b_a40b.toml", nodes=24)  # 8 rollout + 16 trainer nodes
+    assert recipe.parallel.world_size == 128 and recipe.parallel.tp * recipe.parallel.pp * recipe.parallel.cp == 32
+
+
+def test_too_few_nodes_is_a_recipe_error():
+    with pytest.raises(ConfigError, match="launch.rollout_nodes"):
+        load_launch_recipe(RECIPES / "glm5_750b_a40b.toml", nodes=8)
+
+
+def test_engine_tp_that_does_not_tile_a_node_names_the_field():
+    recipe = load_launch_recipe(RECIPES / "qwen3_30b_a3b.toml", overrides=["rollout.engine_tp=3", "rollout.engine_ep=1"])
+    with pytest.raises(ConfigError, match="rollout.engine_tp"):
+        engine_slots(recipe)
+
+
+def test_cpu_recipe_is_colocated_without_gpu_requests(cpu_recipe, tmp_path):
+    recipe = load_launch_recipe(cpu_recipe, overrides=["launch.requeue=false"])
+    script = render_script(recipe, _paths(tmp_path))
+    assert "--gpus-per-node" not in script and "--exclusive" not in script
+    assert "#SBATCH --no-requeue" in script and "--signal" not in script
+    assert "launch.engines wait" not in script  # colocated: sao train starts its reference server
+    assert f"train {tmp_path}/runs/r/resolved_recipe.toml &" in script
+
+
+def test_cpu_rollout_node_runs_the_reference_server(cpu_recipe):
+    recipe = load_launch_recipe(cpu_recipe, nodes=2, overrides=["launch.rollout_nodes=1"])
+    node0 = rollout_node_script(recipe, 0)
+    assert "sao_megatron.cli.main serve --model models/tiny --host 0.0.0.0 --port 30000" in node0
+
+
+def test_wandb_and_env_settings(cpu_recipe, tmp_path):
+    recipe = load_launch_recipe(cpu_recipe, overrides=["logging.wandb=false", "launch.env={NCCL_DEBUG='INFO', X='a b'}"])
+    script = render_script(recipe, _paths(tmp_path))
+    assert "export WANDB_MODE=disabled" in script and "export X='a b'" in script
+    assert "export NCCL_DEBUG=INFO" in script and 'WANDB_RUN_ID="cpu-launch-${SLURM_JOB_ID}"' in script
+
+
+def test_write_job_dumps_a_resolved_recipe_that_loads_back(cpu_recipe, tmp_path):
+    recipe = load_launch_recipe(cpu_recipe, overrides=["algorithm.lr=3e-6"])
+    paths = write_job(recipe, tmp_path)
+    again = load_recipe(paths.recipe, check_files=False)
+    assert again.to_dict() == recipe.to_dict() and again.algorithm.lr == 3e-6
+    assert os.access(paths.script, os.X_OK)
+
+
+def test_cli_takes_options_after_overrides_and_dry_run_writes_nothing(cpu_recipe, tmp_path, monkeypatch, capsys):
+    from sao_megatron.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["launch", str(cpu_recipe), "run.name=x", "--dry-run", "launch.time_limit='00:05:00'"]) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --job-name=x" in out and "#SBATCH --time=00:05:00" in out
+    assert not (tmp_path / "runs").exists()
+    assert main(["launch", str(cpu_recipe), "parallel.tp=0"]) == 2
+
+
+# ------------------------------------------------------------------ the script's bash, with fake slurm
+
+FAKE_SRUN = """#!/bin/bash
+echo "srun $*" >> "$FAKE_LOG"
+SLEEP=
+trap 'echo "step got USR1" >> "$FAKE_LOG"; [ -n "$SLEEP" ] && kill "$SLEEP"; exit 0' USR1
+if [ -n "${FAKE_SRUN_SLEEP:-}" ]; then sleep 60 & SLEEP=$!; wait "$SLEEP"; fi
+exit "${FAKE_SRUN_RC:-0}"
+"""
+FAKE_SCONTROL = """#!/bin/bash
+if [ "$1 $2" = "show hostnames" ]; then printf '%s\\n' $FAKE_NODES; exit 0; fi
+echo "scontrol $*" >> "$FAKE_LOG"
+"""
+
+
+def _fake_slurm(tmp_path: Path) -> dict:
+    bin_dir = tmp_path / "fakebin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_LOG=str(tmp_path / "fake.log"),
+                FAKE_NODES="n1", SLURM_JOB_ID="42", SLURM_JOB_NODELIST="n1")
+
+
+def test_script_runs_the_trainer_step_and_returns_its_code(cpu_recipe, tmp_path):
+    paths = write_job(load_launch_recipe(cpu_recipe), tmp_path)
+    env = dict(_fake_slurm(tmp_path), FAKE_SRUN_RC="3")
+    proc = subprocess.run(["bash", str(paths.script)], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3
+    log = (tmp_path / "fake.log").read_text()
+    assert "--nodes=1 --ntasks-per-node=1 --nodelist=n1" in log and "-m launch.bootstrap -- python" in log
+    assert "scontrol requeue" not in log
+
+
+def test_usr1_is_forwarded_to_the_trainer_then_the_job_requeues(cpu_recipe, tmp_path):
+    paths = write_job(load_launch_recipe(cpu_recipe), tmp_path)
+    env = dict(_fake_slurm(tmp_path), FAKE_SRUN_SLEEP="1")
+    proc = subprocess.Popen(["bash", str(paths.script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "fake.log"
+    for _ in range(600):  # until the trainer step has started (fake srun logged itself)
+        if log.exists() and "srun" in log.read_text():
+            break
+        time.sleep(0.1)
+    time.sleep(0.5)  # let fake srun install its trap
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    text = log.read_text()
+    assert "step got USR1" in text and "scontrol requeue 42" in text
+    assert "asking the trainer to checkpoint" in err
