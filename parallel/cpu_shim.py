@@ -20,6 +20,9 @@ The list and the reasons come from ../shared/notes/megatron-cpu.md:
    tensors/numpy arrays.
 9. ``Tensor.type()`` reports ``torch.FloatTensor`` on CPU where Megatron's distributed optimizer
    expects ``torch.cuda.FloatTensor``: the CPU spelling is translated for that check.
+10. Uneven all-gather / reduce-scatter along the first dim (expert-TP groups of the alltoall
+   dispatcher, TP x EP): gloo needs equal sizes, so the gather pads to the largest split and trims,
+   and the reduce-scatter becomes an all-reduce of the whole tensor followed by this rank's slice.
 """
 from __future__ import annotations
 
@@ -66,6 +69,7 @@ def patch_megatron() -> None:
     patch_torch_norm_sequence_parallel()
     patch_alltoall_splits()
     patch_tensor_type()
+    patch_uneven_first_dim_collectives()
 
 
 # 1 -------------------------------------------------------------------------------------------------
@@ -293,3 +297,45 @@ def patch_tensor_type() -> None:
 
     type_._sao_cpu_shim = True
     torch.Tensor.type = type_
+
+
+# 10 ------------------------------------------------------------------------------------------------
+def gather_first_dim_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+    """All-gather along dim 0 where rank r contributes output_split_sizes[r] rows (gloo-safe)."""
+    if group.size() == 1:
+        return input_
+    if output_split_sizes is None:
+        return _ORIGINAL["gather"](input_, group, None, use_global_buffer)
+    sizes = _as_list(output_split_sizes)
+    longest = max(sizes)
+    padded = input_.new_zeros(longest, *input_.shape[1:])
+    padded[: input_.shape[0]] = input_
+    pieces = [torch.empty_like(padded) for _ in sizes]
+    torch.distributed.all_gather(pieces, padded.contiguous(), group=group)
+    return torch.cat([piece[:n] for piece, n in zip(pieces, sizes)])
+
+
+def reduce_scatter_first_dim_uneven(input_, group, input_split_sizes=None, use_global_buffer=False):
+    """Reduce-scatter along dim 0 with uneven splits: all-reduce the whole input, keep this rank's rows."""
+    if group.size() == 1:
+        return input_
+    if input_split_sizes is None:
+        return _ORIGINAL["reduce_scatter"](input_, group, None, use_global_buffer)
+    sizes = _as_list(input_split_sizes)
+    total = input_.contiguous().clone()
+    torch.distributed.all_reduce(total, group=group)
+    start = sum(sizes[: group.rank()])
+    return total[start:start + sizes[group.rank()]].contiguous()
+
+
+_ORIGINAL: dict = {}
+
+
+def patch_uneven_first_dim_collectives() -> None:
+    from megatron.core.tensor_parallel import mappings
+
+    if "gather" not in _ORIGINAL:
+        _ORIGINAL["gather"] = mappings._gather_along_first_dim
+        _ORIGINAL["reduce_scatter"] = mappings._reduce_scatter_along_first_dim
+    mappings._gather_along_first_dim = gather_first_dim_uneven
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_first_dim_uneven

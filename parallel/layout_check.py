@@ -44,7 +44,7 @@ def make_recipe(model_dir: str | Path, layout: dict, lr: float = 1e-3, micro_bat
 
 
 def fixed_batches(vocab: int, num: int = 4, rows: int = 2, seq: int = 16, seed: int = 0,
-                  num_moe_layers: int = 0, top_k: int = 0) -> list[TrainBatch]:
+                  num_moe_layers: int = 0, top_k: int = 0, num_experts: int = 8) -> list[TrainBatch]:
     """Deterministic micro-batches with ragged lengths, masks, advantages and (optionally) routes."""
     gen = torch.Generator().manual_seed(seed)
     batches = []
@@ -59,7 +59,7 @@ def fixed_batches(vocab: int, num: int = 4, rows: int = 2, seq: int = 16, seed: 
         zeros = torch.zeros(rows, seq)
         routes = None
         if num_moe_layers:
-            routes = torch.stack([torch.randperm(8, generator=gen)[:top_k] for _ in range(rows * seq * num_moe_layers)])
+            routes = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(rows * seq * num_moe_layers)])
             routes = routes.reshape(rows, seq, num_moe_layers, top_k).int()
         batches.append(TrainBatch(tokens=tokens, lengths=lengths, loss_mask=mask, rollout_logprobs=zeros,
                                   advantages=adv, returns=zeros.clone(), weight_versions=torch.zeros(rows, seq, dtype=torch.long),
@@ -118,16 +118,24 @@ def run_layout(model_dir: str | Path, layout: dict, hf_tensors: dict, batches: l
 
 
 def run_layouts(model_dir: str | Path, names: list[str], steps: int = 2, num_batches: int = 4,
-                seq: int = 16, layouts: Optional[dict] = None) -> dict[str, dict]:
-    """Every layout in `names` (keys of LAYOUTS or `layouts`) on this process group."""
+                seq: int = 16, layouts: Optional[dict] = None, routes: bool = False) -> dict[str, dict]:
+    """Every layout in `names` (keys of LAYOUTS or `layouts`) on this process group.
+
+    routes=True gives every micro-batch random engine routes to replay: layouts then agree only if
+    replay slices tokens and layers correctly (a wrong slice picks other experts: logprobs move ~1e-1).
+    """
     from safetensors.torch import load_file
 
     from .model_build import read_hf_config
+    from .specs import arch_shape
 
     table = layouts or LAYOUTS
     hf_tensors = load_file(str(Path(model_dir) / "model.safetensors"))
-    vocab = int(read_hf_config(model_dir)["vocab_size"])
-    batches = fixed_batches(vocab, num=num_batches, seq=seq)
+    hf = read_hf_config(model_dir)
+    shape = arch_shape(hf)
+    batches = fixed_batches(shape.vocab_size, num=num_batches, seq=seq,
+                            num_moe_layers=shape.num_moe_layers if routes else 0, top_k=shape.top_k,
+                            num_experts=shape.num_experts)
     return {name: run_layout(model_dir, table[name], hf_tensors, batches, steps) for name in names}
 
 
@@ -136,7 +144,11 @@ def compare(result: dict, reference: dict) -> dict[str, float]:
     logp = max(float((a - b).abs().max()) for a, b in zip(result["first"], reference["first"]))
     loss = max(abs(a["loss"] - b["loss"]) for a, b in zip(result["steps"], reference["steps"]))
     grad = max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(result["steps"], reference["steps"]))
-    return {"logp": logp, "loss": loss, "grad_norm": grad}
+    out = {"logp": logp, "loss": loss, "grad_norm": grad}
+    if "route_agreement" in reference["steps"][0]:
+        out["route_agreement"] = max(abs(a["route_agreement"] - b["route_agreement"])
+                                     for a, b in zip(result["steps"], reference["steps"]))
+    return out
 
 
 def layouts_for_world(world_size: int) -> list[str]:

@@ -129,7 +129,8 @@ def _common_kwargs(hf, dims: ParallelDims, dtype: torch.dtype, dispatcher: str, 
         sequence_parallel=dims.sequence_parallel,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, pipeline_dtype=dtype,
         # VPP with batched p2p gives silently wrong grads (Megatron-LM #750/#1450).
-        batch_p2p_comm=dims.vpp == 1, variable_seq_lengths=True,
+        # Micro-batches differ in shape, so pipeline p2p must exchange shapes first.
+        batch_p2p_comm=dims.vpp == 1, variable_seq_lengths=dims.pp > 1,
     )
 
 
@@ -155,6 +156,9 @@ def transformer_config(hf: Mapping[str, Any], dims: ParallelDims, dtype: torch.d
     from .fp8 import fp8_config_kwargs
 
     arch = arch_of(hf)
+    if dispatcher == "allgather" and dims.pp > 1:
+        raise SpecError("parallel.dispatcher = allgather cannot run with pp > 1 (Megatron's allgather dispatcher "
+                        "needs fixed sequence lengths, RL micro-batches vary): use alltoall")
     kwargs = _common_kwargs(hf, dims, dtype, dispatcher, routing_replay)
     kwargs.update(fp8_config_kwargs(fp8))
     if arch == "qwen3_moe":

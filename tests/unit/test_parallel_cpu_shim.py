@@ -118,3 +118,24 @@ def test_not_installed_when_cuda_present(monkeypatch):
     monkeypatch.setattr(cpu_shim, "shim_needed", lambda: False)
     assert cpu_shim.install_cpu_shim() is False
     assert not cpu_shim.device_mode_active()
+
+
+def _uneven_collectives() -> dict:
+    from megatron.core.tensor_parallel import mappings
+
+    group = torch.distributed.group.WORLD
+    rank = torch.distributed.get_rank()
+    mine = torch.full((2 + rank, 3), float(rank + 1))  # rank 0: 2 rows, rank 1: 3 rows
+    gathered = mappings._gather_along_first_dim(mine, group, output_split_sizes=[2, 3])
+    full = torch.arange(15, dtype=torch.float32).reshape(5, 3) * (rank + 1)
+    scattered = mappings._reduce_scatter_along_first_dim(full, group, input_split_sizes=[2, 3])
+    return {"gathered": gathered, "scattered": scattered}
+
+
+def test_uneven_first_dim_collectives_on_gloo():
+    out = run_distributed_test(_uneven_collectives, world_size=2, timeout_s=240)
+    expect_gather = torch.cat([torch.full((2, 3), 1.0), torch.full((3, 3), 2.0)])
+    summed = torch.arange(15, dtype=torch.float32).reshape(5, 3) * 3
+    for rank, result in enumerate(out):
+        assert torch.equal(result["gathered"], expect_gather)
+    assert torch.equal(out[0]["scattered"], summed[:2]) and torch.equal(out[1]["scattered"], summed[2:])
