@@ -153,6 +153,7 @@ class BroadcastWeightSync(_PausingSync):
         self.device = "cuda" if self.backend == "nccl" else "cpu"
         self.group, self.group_name = None, ""
         self.bytes_sent = 0
+        self._buffers = [None, None]   # two reused flat payload buffers, grown to the largest bucket
 
     @property
     def world_size(self) -> int:
@@ -174,17 +175,30 @@ class BroadcastWeightSync(_PausingSync):
         self.group, self.group_name = results[-1], name
 
     async def _transfer(self, named_tensors, version: int) -> None:
+        """Send the buckets in order; bucket i+1 is flattened (into the other of two reused buffers) while
+        bucket i is on the wire, so the copy hides behind the transfer."""
         await self.connect()
+        buffers, in_flight = self._buffers, None
         try:
-            for i, bucket in enumerate(iter_buckets(non_expert_first(named_tensors), int(self.cfg.bucket_mb * 2**20))):
-                await self.send_bucket(bucket, version, f"bucket {i}")
+            buckets = iter_buckets(non_expert_first(named_tensors), int(self.cfg.bucket_mb * 2**20))
+            for i, bucket in enumerate(buckets):
+                flat = await asyncio.to_thread(bucket.flatten, self.device, buffers[i % 2])
+                if buffers[i % 2] is None or flat.numel() > buffers[i % 2].numel():
+                    buffers[i % 2] = flat
+                if in_flight is not None:
+                    await in_flight
+                in_flight = asyncio.ensure_future(self.send_flat(bucket, flat, version, f"bucket {i}"))
+            if in_flight is not None:
+                await in_flight
         except BaseException:
+            if in_flight is not None and not in_flight.done():
+                in_flight.cancel()
             self.group = None  # a failed collective leaves the group unusable: rebuild on the next push
             raise
 
-    async def send_bucket(self, bucket: Bucket, version: int, label: str = "bucket") -> None:
+    async def send_flat(self, bucket: Bucket, flat: torch.Tensor, version: int, label: str = "bucket") -> None:
+        """One bucket: every engine's update call concurrently with the sender's broadcast of `flat`."""
         names, dtypes, shapes = bucket.meta()
-        flat = bucket.flatten(self.device)
         calls = self._each(lambda e: e.update_weights_from_distributed(
             names, dtypes, shapes, self.group_name, version, flattened_bucket=True, flush_cache=False))
         calls[SENDER] = in_daemon_thread(_broadcast, flat, self.group)

@@ -30,7 +30,10 @@ def test_buckets_respect_size_and_order():
     buckets = list(iter_buckets(named, bucket_bytes=64 * 64 * 4 + 10))
     assert [n for b in buckets for n in b.names] == [n for n, _ in named]
     assert all(b.nbytes <= 64 * 64 * 4 + 10 or len(b.names) == 1 for b in buckets)
-    b = Bucket(["a", "b"], [torch.tensor([1.0]), torch.tensor([2], dtype=torch.int16)])
+    b = Bucket([], [])
+    b.add("a", torch.tensor([1.0]))
+    b.add("b", torch.tensor([2], dtype=torch.int16))
+    assert b.nbytes == 6 and torch.equal(b.flatten(out=torch.full((9,), 7, dtype=torch.uint8)), b.flatten())
     assert b.flatten().tolist() == list(torch.tensor([1.0]).view(torch.uint8).tolist()) + [2, 0]
     assert b.meta() == (["a", "b"], ["float32", "int16"], [[1], [1]])
 

@@ -1,0 +1,172 @@
+"""LoopbackEngine: an Engine whose only ability is the weight protocol, run in a local child process.
+
+It joins the weight-update group and receives flattened buckets exactly as an SGLang rank does
+(docs/engines.md), keeps the tensors it received, and answers get_weights_by_name. It serves no
+generation. Uses: the weight-sync benchmark (bench/weight_sync.py, which also needs `receive_raw`
+for its baseline) and transport tests. The child is a separate process because gloo's group
+constructor holds the GIL: a sender and a receiver cannot share one process.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import math
+import multiprocessing as mp
+from typing import Optional
+
+import torch
+
+from rollout.engine import Engine, EngineError, GenerateRequest, GenerateResult
+
+
+def _child(conn) -> None:
+    """Command loop: (op, args) -> ("ok", result) | ("error", message); ends on "exit"."""
+    torch.set_num_threads(1)
+    state = {"weights": {}, "version": 0, "group": None}
+    while True:
+        op, args = conn.recv()
+        try:
+            conn.send(("ok", _OPS[op](state, *args)))
+        except Exception as err:  # noqa: BLE001 - shipped back to the parent, which raises it
+            conn.send(("error", f"{type(err).__name__}: {err}"))
+        if op == "exit":
+            return
+
+
+def _join(state, addr, port, rank, world, group_name, backend):
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = datetime.timedelta(seconds=state.get("timeout_s", 600))
+    store, rank, world = next(c10d.rendezvous(f"tcp://{addr}:{port}", rank, world, timeout=timeout))
+    group, _ = c10d._new_process_group_helper(world, rank, [], c10d.Backend(backend),
+                                              c10d.PrefixStore(group_name, store), group_name=group_name, timeout=timeout)
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world)}
+    state["group"] = group
+
+
+def _receive(state, names, dtypes, shapes, version, keep):
+    dts = [getattr(torch, d) for d in dtypes]
+    sizes = [math.prod(s) * torch.empty((), dtype=d).element_size() for d, s in zip(dts, shapes)]
+    flat = torch.empty(sum(sizes), dtype=torch.uint8)
+    torch.distributed.broadcast(flat, src=0, group=state["group"])
+    offset = 0
+    for name, dt, shape, size in zip(names, dts, shapes, sizes):
+        tensor = flat[offset:offset + size].view(dt).reshape(shape)
+        if keep:
+            state["weights"][name] = tensor.clone()
+        offset += size
+    state["version"] = version
+
+
+def _receive_raw(state, nbytes, chunk):
+    flat = torch.empty(nbytes, dtype=torch.uint8)
+    for start in range(0, nbytes, chunk):
+        torch.distributed.broadcast(flat[start:start + chunk], src=0, group=state["group"])
+
+
+def _destroy(state):
+    if state["group"] is not None:
+        torch.distributed.destroy_process_group(state["group"])
+    state["group"] = None
+
+
+def _load_disk(state, path, version):
+    from checkpoints.hf_io import HFCheckpoint
+
+    state["weights"].update(dict(HFCheckpoint(path)))
+    state["version"] = version
+
+
+_OPS = {"join": _join, "receive": _receive, "receive_raw": _receive_raw, "destroy": _destroy, "load_disk": _load_disk,
+        "get": lambda state, name: state["weights"][name],
+        "set": lambda state, name, t: state["weights"].__setitem__(name, t),
+        "version": lambda state: state["version"], "exit": lambda state: None}
+
+
+class LoopbackEngine(Engine):
+    def __init__(self, name: str, reply_timeout_s: float = 600.0, keep_weights: bool = True):
+        self.name, self.reply_timeout_s, self.keep_weights = name, reply_timeout_s, keep_weights
+        self.calls: list[str] = []
+        self.rank = -1
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_child, args=(child,), daemon=True, name=f"loopback-{name}")
+        self._proc.start()
+        self._lock = asyncio.Lock()
+
+    async def _rpc(self, op: str, *args):
+        async with self._lock:      # one command at a time on the pipe
+            self._conn.send((op, args))
+            ready = await asyncio.to_thread(self._conn.poll, self.reply_timeout_s)
+            if not ready:
+                raise EngineError(f"engine {self.name}: {op} got no reply within {self.reply_timeout_s:.0f}s")
+            status, payload = self._conn.recv()
+        if status == "error":
+            raise EngineError(f"engine {self.name}: {op}: {payload}")
+        return payload
+
+    def _note(self, what: str) -> None:
+        """Record a control call (hook for fault injection in tests)."""
+        self.calls.append(what)
+
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        raise EngineError(f"engine {self.name}: a LoopbackEngine only receives weights; it cannot generate")
+
+    async def abort(self, rid: Optional[str] = None) -> None:
+        self._note("abort_request")
+
+    async def pause(self, mode: str = "in_place") -> None:
+        self._note(f"pause_generation:{mode}")
+
+    async def resume(self) -> None:
+        self._note("continue_generation")
+
+    async def flush_cache(self) -> None:
+        self._note("flush_cache")
+
+    async def health(self) -> bool:
+        self._note("health")
+        if not self._proc.is_alive():
+            raise EngineError(f"engine {self.name}: receiver process exited with code {self._proc.exitcode}")
+        return True
+
+    async def weight_version(self) -> int:
+        return await self._rpc("version")
+
+    async def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name, backend):
+        self._note("init_weights_update_group")
+        self.rank = rank_offset
+        await self._rpc("join", master_address, master_port, rank_offset, world_size, group_name, backend)
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        self._note("destroy_weights_update_group")
+        await self._rpc("destroy")
+
+    async def update_weights_from_distributed(self, names, dtypes, shapes, group_name, weight_version,
+                                              flattened_bucket=True, flush_cache=True) -> None:
+        self._note("update_weights_from_distributed")
+        if not flattened_bucket:
+            raise EngineError(f"engine {self.name}: LoopbackEngine receives flattened buckets only")
+        await self._rpc("receive", list(names), [str(d).removeprefix("torch.") for d in dtypes],
+                        [list(s) for s in shapes], weight_version, self.keep_weights)
+
+    async def receive_raw(self, nbytes: int, chunk: int = 0) -> None:
+        """Take part in plain broadcasts of `nbytes` uint8 from rank 0, in slices of `chunk` bytes
+        (0 = one broadcast): the benchmark's baseline."""
+        await self._rpc("receive_raw", nbytes, chunk or nbytes)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None:
+        self._note("update_weights_from_disk")
+        await self._rpc("load_disk", model_path, weight_version)
+
+    async def get_weights_by_name(self, name: str) -> torch.Tensor:
+        self._note("get_weights_by_name")
+        return await self._rpc("get", name)
+
+    async def set_weight(self, name: str, tensor: torch.Tensor) -> None:
+        await self._rpc("set", name, tensor)
+
+    async def close(self) -> None:
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._proc.join(timeout=10)
