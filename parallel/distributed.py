@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import datetime
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -129,7 +130,7 @@ def _rank_main(fn, rank, world_size, port, backend, args, results) -> None:
         torch.set_num_threads(1)
         init_distributed(backend)
         out = fn(*args)
-        results.put((rank, "ok", out))
+        results.put((rank, "ok", _to_bytes(out)))
     except BaseException as err:  # noqa: BLE001 - shipped to the parent with the traceback
         results.put((rank, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
     finally:
@@ -183,5 +184,17 @@ def _collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
             continue
         if status == "error":
             raise DistributedTestError(f"rank {rank} failed:\n{payload}")
-        outputs[rank] = payload
+        outputs[rank] = _from_bytes(payload)
     return [outputs[r] for r in range(world_size)]
+
+
+def _to_bytes(obj) -> bytes:
+    """Results travel as bytes: tensors pickled by torch.multiprocessing would be shared through
+    file descriptors that vanish when the rank exits before the parent reads them."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=False)
