@@ -1,8 +1,54 @@
-"""`sao convert`: Convert checkpoints between HF and Megatron."""
+"""`sao convert hf-to-mcore HF_DIR OUT_DIR --tp --ep --pp --vpp` and `sao convert mcore-to-hf MCORE_DIR OUT_DIR`.
+
+Offline conversion between an HF safetensors directory and per-rank Megatron (local spec) shards
+(checkpoints/mcore_io.py describes the directory). The mapping is checkpoints/convert.py; the round
+trip is bit-exact.
+"""
 from __future__ import annotations
 
-from ._pending import register_pending
+import sys
 
 
 def register(sub) -> None:
-    register_pending(sub, "convert", "Convert checkpoints between HF and Megatron", 6)
+    parser = sub.add_parser("convert", help="Convert checkpoints between HF and Megatron shards")
+    kinds = parser.add_subparsers(dest="direction", required=True)
+    to_mcore = kinds.add_parser("hf-to-mcore", help="HF directory -> every rank's Megatron shards")
+    to_mcore.add_argument("hf_dir", help="HF model directory (config.json + safetensors)")
+    to_mcore.add_argument("out_dir", help="directory to write (sao_mcore.json, shards/, hf/)")
+    for flag, doc in (("tp", "tensor"), ("ep", "expert"), ("pp", "pipeline"), ("vpp", "virtual pipeline (per pp rank)")):
+        to_mcore.add_argument(f"--{flag}", type=int, default=1, help=f"{doc} parallel size")
+    to_mcore.add_argument("--etp", type=int, default=0, help="expert tensor parallel size (0 = tp)")
+    to_mcore.add_argument("--padded-vocab", type=int, default=0,
+                          help="padded vocabulary rows (0 = the trainer's rule: a multiple of 128, or 128*tp)")
+    to_mcore.add_argument("--arch", default="", help="architecture (default: config.json model_type)")
+    to_hf = kinds.add_parser("mcore-to-hf", help="Megatron shards written by hf-to-mcore -> HF directory")
+    to_hf.add_argument("mcore_dir", help="directory written by `sao convert hf-to-mcore`")
+    to_hf.add_argument("out_dir", help="HF directory to write (safetensors shards + index, config, tokenizer)")
+    to_hf.add_argument("--max-shard-mb", type=float, default=4096, help="largest safetensors file")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from checkpoints.layout import ShardLayout
+    from checkpoints.mcore_io import mcore_dir_to_hf, save_mcore_dir
+
+    try:
+        if args.direction == "hf-to-mcore":
+            layout = ShardLayout(tp_size=args.tp, ep_size=args.ep, pp_size=args.pp, vpp_size=args.vpp,
+                                 etp_size=args.etp, padded_vocab_size=args.padded_vocab or _trainer_padding(args))
+            out = save_mcore_dir(args.hf_dir, args.out_dir, layout, arch=args.arch)
+        else:
+            out = mcore_dir_to_hf(args.mcore_dir, args.out_dir, max_shard_mb=args.max_shard_mb)
+    except (ValueError, KeyError, FileNotFoundError, RuntimeError) as err:
+        print(f"sao convert {args.direction}: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+def _trainer_padding(args) -> int:
+    """The padded vocabulary the trainer builds (parallel/specs.py), so shards load as they are."""
+    from checkpoints.arch import spec_from_hf_dir
+    from parallel.specs import padded_vocab_size
+
+    return padded_vocab_size(spec_from_hf_dir(args.hf_dir, args.arch).vocab_size, args.tp)
