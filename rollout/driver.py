@@ -1,0 +1,436 @@
+"""RolloutDriver: keeps requests in flight across engines and streams rewarded samples to training.
+
+How it works (one asyncio event loop, the trainer's):
+- Work items are Samples. `single` mode makes one per prompt (uid ``p<prompt_index>``); `group` mode
+  makes n (uids ``p<i>-<k>``, sharing ``group_id = i``). Each runs in its own task: generate (one
+  segment, or a multi-turn agent loop) -> reward -> buffer.
+- Up to ``rollout.max_in_flight`` items run at once, each placed on the least-loaded live engine;
+  new prompts are drawn only while the buffer has room (bounded memory).
+- A failed engine call (EngineError, timeout, connection error) marks the engine dead and retries the
+  request on another engine under a new request id ``<uid>-a<attempt>``; the old id is aborted, and a
+  late answer to it is never read, so nothing is lost or duplicated. A background probe brings
+  engines back when their health check passes. All engines down for ``stall_timeout_s`` fails the run.
+- Weight updates (`weight_update(mode)`): engines pause; in "abort"/"retract" mode running requests
+  are ended and their partial outputs kept, then resumed after the update as continuations
+  (prompt + partial output) under the new weights, so every token's version is exact. In
+  "in_place" mode requests keep running; see rollout/staleness.py for how tokens are tagged.
+- get_batch applies the staleness bound to ready samples (drop or regenerate) and returns the
+  oldest whole groups.
+- Any unexpected exception in a worker task is stored and re-raised by the next get_batch.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+import time
+import zlib
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterable, Optional
+
+from rollout.buffer import GroupFilter, SampleBuffer
+from rollout.engine import Engine, EngineError, GenerateRequest, GenerateResult
+from rollout.rewards.base import apply_reward
+from rollout.staleness import StalenessStats, token_versions
+from sao_megatron.records import Sample, SampleStatus
+
+log = logging.getLogger(__name__)
+
+ENGINE_FAILURES = (EngineError, asyncio.TimeoutError, OSError)
+UPDATE_MODES = ("in_place", "retract", "abort")
+
+
+class DriverError(RuntimeError):
+    """The rollout driver cannot make progress (all engines down, a worker crashed, a stall)."""
+
+
+class RolloutDriver:
+    def __init__(self, engines: list[Engine], prompt_source, reward_fn, cfg, tokenizer, *, seed: int,
+                 filters: Iterable[GroupFilter] = (), buffer_capacity: Optional[int] = None, agent=None,
+                 max_attempts: int = 0, probe_interval_s: float = 1.0, stall_timeout_s: Optional[float] = None,
+                 control_timeout_s: float = 30.0, return_routed_experts: bool = True):
+        if not engines:
+            raise ValueError("RolloutDriver needs at least one engine; set rollout.num_engines or engine_urls")
+        names = [e.name for e in engines]
+        if len(set(names)) != len(names):
+            raise ValueError(f"engine names must be unique, got {names}; give each engine its own name/url")
+        self.engines = {e.name: e for e in engines}
+        self.prompt_source, self.reward_fn, self.cfg = prompt_source, reward_fn, cfg
+        self.tokenizer, self.seed, self.agent = tokenizer, seed, agent
+        self.group_size = cfg.n_samples_per_prompt if cfg.mode == "group" else 1
+        capacity = buffer_capacity or max(4 * cfg.batch_size, cfg.batch_size + cfg.max_in_flight) + self.group_size
+        self.buffer = SampleBuffer(self.group_size, capacity, filters)
+        self.max_attempts = max_attempts or 3 * len(engines)
+        self.probe_interval_s, self.control_timeout_s = probe_interval_s, control_timeout_s
+        self.stall_timeout_s = stall_timeout_s or (cfg.request_timeout_s + cfg.reward_timeout_s + 60.0)
+        self.return_routed_experts = return_routed_experts
+        self.stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+        self._pending: deque[Sample] = deque()       # drawn, waiting for a slot
+        self._active: dict[str, Sample] = {}         # uid -> sample owned by a running task
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._load = {n: 0 for n in names}
+        self._dead: set[str] = set()
+        self._versions = {n: 0 for n in names}       # engine version as last known by the driver
+        self._current_version = 0
+        self._resumed: Optional[asyncio.Event] = None
+        self._progress: Optional[asyncio.Event] = None
+        self._update_lock: Optional[asyncio.Lock] = None
+        self._probe_task: Optional[asyncio.Task] = None
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._error: Optional[BaseException] = None
+        self._running = False
+        self._started_at = 0.0
+        self.stats = StalenessStats()
+        self.counts = {"finished": 0, "failed": 0, "engine_errors": 0, "continuations": 0}
+        self._last_batch: list[Sample] = []
+        self.recent_failures: deque[tuple[str, str]] = deque(maxlen=64)   # (uid, reason), newest last
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._running:
+            raise DriverError("RolloutDriver.start() called twice")
+        self._resumed, self._progress, self._update_lock = asyncio.Event(), asyncio.Event(), asyncio.Lock()
+        self._resumed.set()
+        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="reward")
+        for name, engine in self.engines.items():
+            self._versions[name] = await self._control(engine, engine.weight_version())
+        self._running, self._started_at = True, time.monotonic()
+        self._probe_task = asyncio.create_task(self._probe_loop(), name="rollout-probe")
+        self._fill()
+
+    async def stop(self) -> None:
+        """Cancel running work (kept as pending in state_dict) and abort its requests on the engines."""
+        self._running = False
+        tasks = list(self._tasks.values()) + ([self._probe_task] if self._probe_task else [])
+        await _cancel_all(tasks)
+        self._pending.extendleft(reversed(list(self._active.values())))
+        self._active.clear()
+        for name, engine in self.engines.items():
+            if name not in self._dead:
+                with contextlib.suppress(*ENGINE_FAILURES):
+                    await asyncio.wait_for(engine.abort(None), self.control_timeout_s)
+        if self._executor:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ---- the trainer's side ---------------------------------------------------------------------
+    async def get_batch(self, num_samples: int, current_version: int) -> list[Sample]:
+        """`num_samples` rewarded samples (whole groups) within the staleness bound, oldest first."""
+        if not self._running:
+            raise DriverError("get_batch before start() (or after stop()); await driver.start() first")
+        if num_samples > self.buffer.capacity:
+            raise ValueError(f"get_batch({num_samples}) does not fit the buffer (capacity {self.buffer.capacity}); "
+                             "pass a larger buffer_capacity")
+        self._current_version = current_version
+        last_progress = time.monotonic()
+        while True:
+            self._raise_if_failed()
+            self._apply_staleness_bound()
+            if self.buffer.num_ready >= num_samples:
+                batch = self.buffer.pop(num_samples)
+                self.stats.observe(batch, current_version)
+                self._last_batch = batch
+                self._fill()
+                return batch
+            self._fill()
+            self._progress.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._progress.wait(), timeout=min(1.0, self.stall_timeout_s))
+                last_progress = time.monotonic()
+            if not self._resumed.is_set():
+                last_progress = time.monotonic()       # a weight update in progress is not a stall
+            if time.monotonic() - last_progress > self.stall_timeout_s:
+                raise DriverError(self._stall_message())
+
+    @contextlib.asynccontextmanager
+    async def weight_update(self, mode: Optional[str] = None, version: Optional[int] = None):
+        """Pause the engines for a weight update, yield, then resume under the new version.
+
+        ``mode`` defaults to ``rollout.update_mode``. ``version`` is the new weight version; when
+        omitted each engine is asked for its own after the update.
+        """
+        mode = mode or self.cfg.update_mode
+        if mode not in UPDATE_MODES:
+            raise ValueError(f"weight_update mode {mode!r}; use one of {UPDATE_MODES}")
+        async with self._update_lock:
+            self._resumed.clear()
+            live = [e for n, e in self.engines.items() if n not in self._dead]
+            await asyncio.gather(*(self._control(e, e.pause(mode)) for e in live))
+            if mode == "retract":      # end the retracted requests; their partial outputs are resumed
+                await asyncio.gather(*(self._control(e, e.abort(None)) for e in live))
+            try:
+                yield
+            finally:
+                await self._after_update(live, version)
+
+    async def _after_update(self, live: list[Engine], version: Optional[int]) -> None:
+        for engine in live:
+            self._versions[engine.name] = (version if version is not None
+                                           else await self._control(engine, engine.weight_version()))
+        await asyncio.gather(*(self._control(e, e.resume()) for e in live))
+        self._resumed.set()
+        self._fill()
+
+    # ---- scheduling -----------------------------------------------------------------------------
+    def _fill(self) -> None:
+        """Start work until max_in_flight, the buffer's room, or the engines are used up."""
+        if not self._running or self._error is not None or not self._resumed.is_set():
+            return
+        while len(self._active) < self.cfg.max_in_flight:
+            if not self._pending:
+                if self.buffer.room() - len(self._active) < self.group_size:
+                    return
+                self._pending.extend(self._draw_prompt())
+            sample = self._pending.popleft()
+            self._active[sample.uid] = sample
+            self._tasks[sample.uid] = asyncio.create_task(self._run(sample), name=f"rollout-{sample.uid}")
+
+    def _draw_prompt(self) -> list[Sample]:
+        prompt = self.prompt_source.next()
+        samples = []
+        for k in range(self.group_size):
+            uid = f"p{prompt.prompt_index}" if self.group_size == 1 else f"p{prompt.prompt_index}-{k}"
+            samples.append(Sample(uid=uid, prompt_index=prompt.prompt_index, prompt_ids=list(prompt.prompt_ids),
+                                  group_id=prompt.prompt_index, prompt_text=prompt.prompt_text,
+                                  label=prompt.label, metadata=copy.deepcopy(prompt.metadata)))
+        return samples
+
+    async def _run(self, sample: Sample) -> None:
+        try:
+            if sample.status in (SampleStatus.PENDING, SampleStatus.ABORTED):
+                await self._generate(sample)
+            if sample.status != SampleStatus.FAILED and sample.reward is None:
+                sample.metadata["env_step"] = self._current_version
+                await apply_reward(self.reward_fn, sample, self.cfg.reward_timeout_s, self._executor)
+            self._finish(sample)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # a bug in a worker: fail the run loudly, never hang
+            log.exception("rollout worker for %s crashed", sample.uid)
+            self._error = exc
+            self._progress.set()
+        finally:
+            self._tasks.pop(sample.uid, None)
+
+    def _finish(self, sample: Sample) -> None:
+        del self._active[sample.uid]
+        if sample.status == SampleStatus.FAILED:
+            self.counts["failed"] += 1
+            self.recent_failures.append((sample.uid, sample.metadata.get("error", "")))
+        else:
+            self.counts["finished"] += 1
+        self.buffer.put(sample)
+        self._progress.set()
+        self._fill()
+
+    # ---- generation -----------------------------------------------------------------------------
+    async def _generate(self, sample: Sample) -> None:
+        if self.agent is not None:
+            await self.agent.rollout(sample, self.generate_turn, self.tokenizer)
+            return
+        remaining = self.cfg.max_new_tokens - len(sample.response_ids)
+        finish = await self.generate_turn(sample, remaining, self.stop_ids) if remaining > 0 else "length"
+        if finish == "failed":
+            return
+        sample.status = SampleStatus.COMPLETED if finish == "stop" else SampleStatus.TRUNCATED
+        sample.response_text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+
+    async def generate_turn(self, sample: Sample, max_new_tokens: int, stop_ids: list[int]) -> str:
+        """Generate one segment (loss_mask 1) onto the sample; continue it across aborts.
+
+        Returns "stop", "length", or "failed" (sample marked FAILED with the reason).
+        """
+        start_len, aborts = len(sample.response_ids), 0
+        while True:
+            remaining = max_new_tokens - (len(sample.response_ids) - start_len)
+            if remaining <= 0:
+                return "length"
+            await self._resumed.wait()
+            result = await self._call_engines(sample, remaining, stop_ids)
+            if result is None:
+                return "failed"
+            if result.finish_reason != "abort":
+                return "stop" if result.finish_reason == "stop" else "length"
+            sample.status = SampleStatus.ABORTED
+            self.counts["continuations"] += 1
+            aborts = 0 if result.output_ids else aborts + 1
+            if aborts > self.max_attempts:
+                return self._fail(sample, f"aborted {aborts} times in a row without progress")
+
+    async def _call_engines(self, sample: Sample, max_new_tokens: int, stop_ids: list[int]) -> Optional[GenerateResult]:
+        last_error = ""
+        for _ in range(self.max_attempts):
+            engine = await self._pick_engine()
+            attempt = sample.metadata.get("attempts", 0)
+            sample.metadata["attempts"] = attempt + 1
+            request = self._request(sample, f"{sample.uid}-a{attempt}", max_new_tokens, stop_ids)
+            submit_version = self._versions[engine.name]
+            self._load[engine.name] += 1
+            try:
+                result = await asyncio.wait_for(engine.generate(request), self.cfg.request_timeout_s)
+                self._append(sample, result, submit_version)
+                return result
+            except ENGINE_FAILURES as exc:
+                last_error = f"{engine.name}: {type(exc).__name__}: {exc}"
+                await self._engine_failed(engine, request.rid, last_error)
+            finally:
+                self._load[engine.name] -= 1
+        self._fail(sample, f"generation failed after {self.max_attempts} attempts; last error {last_error}")
+        return None
+
+    def _request(self, sample: Sample, rid: str, max_new_tokens: int, stop_ids: list[int]) -> GenerateRequest:
+        seed = zlib.crc32(f"{self.seed}:{rid}".encode())
+        return GenerateRequest(rid=rid, input_ids=sample.prompt_ids + sample.response_ids,
+                               max_new_tokens=max_new_tokens, temperature=self.cfg.temperature,
+                               top_p=self.cfg.top_p, top_k=self.cfg.top_k, seed=seed,
+                               stop_token_ids=list(stop_ids), return_routed_experts=self.return_routed_experts)
+
+    def _append(self, sample: Sample, result: GenerateResult, submit_version: int) -> None:
+        """Commit an engine result to the sample (all per-token lists grow together)."""
+        n = len(result.output_ids)
+        if len(result.output_logprobs) != n:
+            raise EngineError(f"engine {result.engine}: request {result.rid} returned {n} tokens but "
+                              f"{len(result.output_logprobs)} logprobs")
+        versions = token_versions(result, submit_version)
+        sample.response_ids.extend(int(t) for t in result.output_ids)
+        sample.rollout_logprobs.extend(float(x) for x in result.output_logprobs)
+        sample.loss_mask.extend([1] * n)
+        sample.weight_versions.extend(versions)
+        routes = result.routed_experts
+        sample.routed_experts = routes if routes is not None and routes.shape[0] == sample.num_tokens - 1 else None
+        sample.metadata["engine"] = result.engine or sample.metadata.get("engine", "")
+
+    def _fail(self, sample: Sample, reason: str) -> str:
+        sample.status = SampleStatus.FAILED
+        sample.metadata["error"] = reason
+        log.warning("sample %s failed: %s", sample.uid, reason)
+        return "failed"
+
+    # ---- engines ----------------------------------------------------------------------------------
+    async def _pick_engine(self) -> Engine:
+        """The least-loaded live engine; waits for a revival, fails after stall_timeout_s."""
+        deadline = time.monotonic() + self.stall_timeout_s
+        while True:
+            live = [n for n in self.engines if n not in self._dead]
+            if live:
+                return self.engines[min(live, key=lambda n: self._load[n])]
+            if time.monotonic() > deadline:
+                self._error = DriverError(f"all engines are down ({sorted(self.engines)}) for "
+                                          f"{self.stall_timeout_s:.0f}s; check the servers and their logs")
+                self._progress.set()
+                raise self._error
+            await asyncio.sleep(self.probe_interval_s)
+
+    async def _engine_failed(self, engine: Engine, rid: str, reason: str) -> None:
+        self.counts["engine_errors"] += 1
+        if engine.name not in self._dead:
+            log.warning("engine %s failed (%s); retrying its requests elsewhere", engine.name, reason)
+        self._dead.add(engine.name)
+        with contextlib.suppress(*ENGINE_FAILURES):   # best effort: the engine may be gone
+            await asyncio.wait_for(engine.abort(rid), min(self.control_timeout_s, 5.0))
+
+    async def _probe_loop(self) -> None:
+        while self._running:
+            await asyncio.sleep(self.probe_interval_s)
+            for name in sorted(self._dead):
+                engine = self.engines[name]
+                try:
+                    healthy = await asyncio.wait_for(engine.health(), self.probe_interval_s * 5)
+                    if healthy:
+                        self._versions[name] = await asyncio.wait_for(engine.weight_version(), self.control_timeout_s)
+                except ENGINE_FAILURES:
+                    healthy = False
+                if healthy:
+                    log.info("engine %s is healthy again", name)
+                    self._dead.discard(name)
+            self._fill()
+
+    async def _control(self, engine: Engine, coro):
+        """A control call (pause/resume/version) with a timeout; failure names the engine."""
+        try:
+            return await asyncio.wait_for(coro, self.control_timeout_s)
+        except ENGINE_FAILURES as exc:
+            raise DriverError(f"engine {engine.name}: control call failed ({type(exc).__name__}: {exc}); "
+                              "is the server up?") from exc
+
+    # ---- staleness ---------------------------------------------------------------------------------
+    def _apply_staleness_bound(self) -> None:
+        for group in self.buffer.take_stale(self._current_version, self.cfg.staleness_bound):
+            self.stats.dropped += len(group)
+            if self.cfg.stale_policy == "regenerate":
+                self._pending.extendleft(reversed([self._reset(s) for s in group]))
+
+    @staticmethod
+    def _reset(sample: Sample) -> Sample:
+        keep = {k: v for k, v in sample.metadata.items() if k not in ("error", "engine", "env_step", "turns")}
+        return Sample(uid=sample.uid, prompt_index=sample.prompt_index, prompt_ids=sample.prompt_ids,
+                      group_id=sample.group_id, prompt_text=sample.prompt_text, label=sample.label, metadata=keep)
+
+    # ---- errors, metrics, resume -----------------------------------------------------------------------
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise DriverError(f"rollout worker failed: {type(self._error).__name__}: {self._error}") from self._error
+
+    def _stall_message(self) -> str:
+        if len(self._dead) == len(self.engines):
+            return (f"all engines are down ({sorted(self.engines)}) for {self.stall_timeout_s:.0f}s; "
+                    "check the servers and their logs")
+        return (f"no sample finished for {self.stall_timeout_s:.0f}s: {len(self._active)} in flight, "
+                f"load {self._load}, dead engines {sorted(self._dead)}, buffer {self.buffer.num_ready} ready")
+
+    def metrics(self) -> dict:
+        batch = self._last_batch
+        elapsed = max(time.monotonic() - self._started_at, 1e-9) if self._started_at else 0.0
+        out = {
+            "rollout/raw_reward": _mean([s.reward for s in batch]),
+            "rollout/response_len": _mean([len(s.response_ids) for s in batch]),
+            "rollout/staleness_mean": self.stats.mean, "rollout/staleness_max": self.stats.max,
+            "rollout/dropped_stale": self.stats.dropped, "rollout/failed": self.counts["failed"],
+            "rollout/dropped_filtered": self.buffer.dropped_filtered,
+            "rollout/samples_per_s": self.counts["finished"] / elapsed if elapsed else 0.0,
+            "rollout/in_flight": len(self._active), "rollout/buffered": self.buffer.num_ready,
+            "rollout/engine_errors": self.counts["engine_errors"],
+        }
+        phases = [s.reward_info["env_phase"] for s in batch if "env_phase" in s.reward_info]
+        if phases:
+            out["env/phase"] = phases[-1]
+        return out
+
+    def state_dict(self) -> dict:
+        """Everything to resume without losing or duplicating a prompt: in-flight samples are saved
+        as they were after their last committed engine result and restart from there."""
+        work = list(self._active.values()) + list(self._pending)
+        return {"prompt_source": self.prompt_source.state_dict(), "buffer": self.buffer.state_dict(),
+                "work": [copy.deepcopy(s.to_dict()) for s in work], "counts": dict(self.counts),
+                "dropped_stale": self.stats.dropped, "current_version": self._current_version}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self._running:
+            raise DriverError("load_state_dict must be called before start()")
+        self.prompt_source.load_state_dict(state["prompt_source"])
+        self.buffer.load_state_dict(state["buffer"])
+        self._pending = deque(Sample.from_dict(d) for d in state["work"])
+        self.counts.update(state["counts"])
+        self.stats.dropped = state["dropped_stale"]
+        self._current_version = state["current_version"]
+
+
+async def _cancel_all(tasks: list[asyncio.Task]) -> None:
+    """Cancel and await tasks. Re-cancels, because asyncio.wait_for before Python 3.12 can swallow a
+    cancellation that races with its inner call finishing."""
+    pending = [t for t in tasks if not t.done()]
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, still = await asyncio.wait(pending, timeout=0.5)
+        pending = list(still)
+    for task in tasks:      # retrieve results so no 'exception was never retrieved' noise
+        if not task.cancelled():
+            task.exception()
+
+
+def _mean(values) -> float:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else 0.0

@@ -1,0 +1,71 @@
+"""A changing environment for simulated online learning (task "online").
+
+The prompt is a single lowercase letter ("x:"); which answer is rewarded depends on the phase,
+and the phase switches every `switch_every` trainer steps, cycling through `rules`:
+
+    phase(step) = (step // switch_every) % len(rules)
+
+Rules (each maps the letter to the rewarded target string):
+- "upper":  x -> "X"
+- "double": x -> "xx"
+- "next":   x -> "y"  (z wraps to a)
+
+This follows the SAO paper's online-learning simulation, where the rewarded style switches between
+pools and a learned baseline should recover faster after each switch than a running mean.
+Score: 1.0 for the exact target; 0.5 if the response starts with the target; else 0.
+
+The environment is stateless: the driver stamps the trainer step into the sample
+(``metadata["env_step"]``) before the reward runs, so scoring needs no shared mutable state and a
+resumed run scores identically.
+"""
+from __future__ import annotations
+
+import random
+import string
+from dataclasses import dataclass, field
+
+from rollout.rewards.tasks import Problem
+
+RULES = {
+    "upper": lambda c: c.upper(),
+    "double": lambda c: c * 2,
+    "next": lambda c: string.ascii_lowercase[(string.ascii_lowercase.index(c) + 1) % 26],
+}
+
+
+@dataclass(frozen=True)
+class ChangingEnvironment:
+    switch_every: int = 50
+    rules: tuple = field(default=("upper", "double", "next"))
+
+    def __post_init__(self):
+        if self.switch_every < 1:
+            raise ValueError(f"online environment: switch_every={self.switch_every} < 1; use 1 or more steps")
+        unknown = [r for r in self.rules if r not in RULES]
+        if unknown or not self.rules:
+            raise ValueError(f"online environment: unknown rules {unknown}; choose from {sorted(RULES)}")
+
+    def phase(self, step: int) -> int:
+        return (max(step, 0) // self.switch_every) % len(self.rules)
+
+    def rule(self, step: int) -> str:
+        return self.rules[self.phase(step)]
+
+    def target(self, letter: str, step: int) -> str:
+        return RULES[self.rule(step)](letter)
+
+    def make(self, rng: random.Random) -> Problem:
+        letter = rng.choice(string.ascii_lowercase)
+        meta = {"task": "online", "switch_every": self.switch_every, "rules": list(self.rules)}
+        return Problem(f"{letter}:", letter, meta)
+
+    def score(self, response: str, letter: str, step: int) -> float:
+        target = self.target(letter, step)
+        r = response.strip()
+        if r == target:
+            return 1.0
+        return 0.5 if r.startswith(target) else 0.0
+
+    @classmethod
+    def from_metadata(cls, metadata: dict) -> "ChangingEnvironment":
+        return cls(switch_every=int(metadata["switch_every"]), rules=tuple(metadata["rules"]))

@@ -1,0 +1,18 @@
+"""The reward of the built-in tasks, dispatched on ``sample.metadata["task"]``."""
+from __future__ import annotations
+
+from rollout.environments import ChangingEnvironment
+from rollout.rewards.tasks import get_task
+from sao_megatron.records import Sample
+
+
+def task_reward(sample: Sample) -> dict:
+    """Score the response with its task's checker; the online task scores at ``metadata["env_step"]``."""
+    task = sample.metadata.get("task")
+    if task is None:
+        raise ValueError(f"sample {sample.uid} has no metadata['task']; set rollout.reward_fn for dataset prompts")
+    if task == "online":
+        env = ChangingEnvironment.from_metadata(sample.metadata)
+        step = int(sample.metadata.get("env_step", 0))
+        return {"reward": env.score(sample.response_text, sample.label, step), "env_phase": env.phase(step)}
+    return {"reward": get_task(task).score(sample.response_text, sample.label)}

@@ -1,0 +1,127 @@
+"""Locally generated tasks and their checkers: arithmetic, countdown, copy.
+
+Each task makes problems from a seeded RNG (no download) and scores a response in [0, 1]. They are
+sized for the tiny char-level model (one token per character, ~8-32 new tokens): answers are short
+and the scores give partial credit, so a randomly initialised policy sees a non-zero reward signal
+from its first samples and RL can climb from there.
+
+Scores (r = response with surrounding whitespace stripped):
+- arithmetic ("a+b=" / "a-b=", answer a single digit 0-9):
+  1.0 if r == answer; 0.5 if r starts with the answer (right digit, trailing text);
+  0.1 if r starts with another digit (the format is right); else 0.
+- countdown (reach `target` with + - * and each given number at most once):
+  1.0 if the expression is valid and equals target; 0.1 if it is a valid expression over the
+  allowed numbers with another value; else 0.
+- copy (reverse a short lowercase string): matching characters at equal positions divided by
+  max(len(r), len(target)), so extra or missing characters cost credit.
+"""
+from __future__ import annotations
+
+import ast
+import random
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Problem:
+    text: str          # the user message
+    label: Any         # JSON-safe answer the checker uses
+    metadata: dict
+
+
+def make_arithmetic(rng: random.Random) -> Problem:
+    """a+b or a-b with a single-digit, non-negative result."""
+    answer = rng.randrange(10)
+    if rng.random() < 0.5:
+        a = rng.randrange(answer + 1)
+        text = f"{a}+{answer - a}="
+    else:
+        b = rng.randrange(10 - answer)
+        text = f"{answer + b}-{b}="
+    return Problem(text, str(answer), {"task": "arithmetic"})
+
+
+def score_arithmetic(response: str, label: str) -> float:
+    r = response.strip()
+    if r == label:
+        return 1.0
+    if r.startswith(label):
+        return 0.5
+    if r[:1].isdigit():
+        return 0.1
+    return 0.0
+
+
+def make_countdown(rng: random.Random, count: int = 3) -> Problem:
+    """`count` numbers in 1..9 and a target reached by one random expression over them."""
+    numbers = [rng.randint(1, 9) for _ in range(count)]
+    expr = str(numbers[0])
+    for n in numbers[1:]:
+        expr = f"{expr}{rng.choice('+-*')}{n}"
+    target = _eval_arith(expr)
+    shown = sorted(numbers)
+    text = f"use {' '.join(map(str, shown))} to make {target}:"
+    return Problem(text, {"numbers": shown, "target": target}, {"task": "countdown"})
+
+
+_ALLOWED_NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Add, ast.Sub, ast.Mult,
+                  ast.USub)
+
+
+def _eval_arith(expr: str) -> int:
+    """Evaluate an integer expression of + - * and parentheses; ValueError on anything else."""
+    if not re.fullmatch(r"[0-9+\-*() ]{1,64}", expr):
+        raise ValueError(f"not an arithmetic expression: {expr!r}")
+    tree = ast.parse(expr, mode="eval")
+    for node in ast.walk(tree):
+        if not isinstance(node, _ALLOWED_NODES):
+            raise ValueError(f"disallowed syntax {type(node).__name__} in {expr!r}")
+    return int(eval(compile(tree, "<countdown>", "eval"), {"__builtins__": {}}))  # checked AST only
+
+
+def score_countdown(response: str, label: dict) -> float:
+    expr = response.strip().split("=")[0].strip()
+    try:
+        value = _eval_arith(expr)
+    except (ValueError, SyntaxError):
+        return 0.0
+    used = Counter(int(n) for n in re.findall(r"\d+", expr))
+    if used - Counter(label["numbers"]):
+        return 0.0          # a number not offered, or used more often than offered
+    return 1.0 if value == label["target"] else 0.1
+
+
+def make_copy(rng: random.Random, min_len: int = 2, max_len: int = 4) -> Problem:
+    word = "".join(rng.choice("abcdefghij") for _ in range(rng.randint(min_len, max_len)))
+    return Problem(f"reverse {word}:", word[::-1], {"task": "copy"})
+
+
+def score_copy(response: str, label: str) -> float:
+    r = response.strip()
+    if not r and not label:
+        return 1.0
+    same = sum(a == b for a, b in zip(r, label))
+    return same / max(len(r), len(label))
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    make: Callable[[random.Random], Problem]
+    score: Callable[[str, Any], float]
+
+
+TASKS: dict[str, Task] = {
+    "arithmetic": Task("arithmetic", make_arithmetic, score_arithmetic),
+    "countdown": Task("countdown", make_countdown, score_countdown),
+    "copy": Task("copy", make_copy, score_copy),
+}
+
+
+def get_task(name: str) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"rollout.task: unknown task {name!r}; use one of {sorted(TASKS)} or 'online'")
+    return TASKS[name]
