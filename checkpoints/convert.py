@@ -44,15 +44,16 @@ def unpack_rule(rule: Rule, full: torch.Tensor, spec: ArchSpec) -> dict[str, tor
     return dict(zip(rule.hf, parts))
 
 
-def chunk_rules(spec: ArchSpec, layout: ShardLayout, vp_stage: int) -> list[Rule]:
-    """The rules whose tensors live on this rank's virtual chunk `vp_stage` (its experts only)."""
+def chunk_rules(spec: ArchSpec, layout: ShardLayout, vp_stage: int, with_output: bool = True) -> list[Rule]:
+    """The rules whose tensors live on this rank's virtual chunk `vp_stage` (its experts only).
+    with_output=False leaves out output_layer (a critic keeps its own value head)."""
     experts = layout.expert_range(spec.num_experts)
     rules = [embedding_rule()] if layout.has_embedding(vp_stage) else []
     for L in layout.layer_range(spec.num_layers, vp_stage):
         rules += [r for r in layer_rules(spec, L) if r.expert is None or r.expert in experts]
     if layout.has_output(vp_stage):
         rules += final_rules(spec, include_tied_output=not layout.has_embedding(vp_stage))
-    return rules
+    return [r for r in rules if with_output or r.mcore != OUTPUT]
 
 
 def local_name(rule: Rule, spec: ArchSpec, layout: ShardLayout, vp_stage: int) -> str:
@@ -79,15 +80,17 @@ def shard_rule(rule: Rule, full: torch.Tensor, spec: ArchSpec, layout: ShardLayo
     return split_tp(full, rule.split, rank, size, layout.padded_vocab(spec.vocab_size))
 
 
-def hf_to_mcore(hf: Mapping[str, torch.Tensor], spec: ArchSpec, layout: ShardLayout) -> list[dict[str, torch.Tensor]]:
+def hf_to_mcore(hf: Mapping[str, torch.Tensor], spec: ArchSpec, layout: ShardLayout,
+                with_output: bool = True) -> list[dict[str, torch.Tensor]]:
     """One rank's Megatron state dicts (one per virtual chunk) from a full HF state dict.
 
     `hf` may be lazy (checkpoints/hf_io.HFCheckpoint): only the tensors this rank needs are read.
+    with_output=False is the critic's load: the backbone only, no output_layer (lm_head).
     """
     chunks = []
     for v in range(layout.vpp_size):
         chunks.append({local_name(r, spec, layout, v): shard_rule(r, pack_rule(r, hf, spec), spec, layout)
-                       for r in chunk_rules(spec, layout, v)})
+                       for r in chunk_rules(spec, layout, v, with_output)})
     return chunks
 
 
@@ -134,4 +137,4 @@ def shard_all(hf: Mapping[str, torch.Tensor], spec: ArchSpec, layouts) -> dict[S
 
 
 __all__ = ["hf_to_mcore", "mcore_to_hf", "iter_mcore_to_hf", "shard_all", "pack_rule", "unpack_rule",
-           "chunk_rules", "local_name", "holder", "OUTPUT"]
+           "chunk_rules", "local_name", "holder"]

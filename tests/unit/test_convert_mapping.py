@@ -114,6 +114,13 @@ def test_tied_embeddings_output_layer_only_on_later_stage(tiny_model_dir):
     assert set(back) == set(hf)
 
 
+def test_critic_load_leaves_out_the_output_layer(tiny_model_dir):
+    spec, hf = spec_from_hf_dir(tiny_model_dir), HFCheckpoint(tiny_model_dir)
+    policy = hf_to_mcore(hf, spec, ShardLayout())[0]
+    critic = hf_to_mcore(hf, spec, ShardLayout(), with_output=False)[0]
+    assert set(policy) - set(critic) == {"output_layer.weight"}
+
+
 def test_missing_shard_and_missing_tensor_named(tiny_model_dir):
     spec, hf = spec_from_hf_dir(tiny_model_dir), dict(HFCheckpoint(tiny_model_dir))
     shards = shard_all(hf, spec, all_layouts(tp=2))
