@@ -54,15 +54,20 @@ def submit_recipe(slurm_cluster):
     return submit
 
 
-def submit(workdir: Path, command: str | None = None, overrides: list[str] = (),
-                  recipe: Path = TINY_RECIPE) -> JobResult:
-    """`sao launch RECIPE --nodes 1 --submit --wait` on CPU, from `workdir`; command=None runs `sao train`."""
+def submit(workdir: Path, command: str | None = None, overrides: list[str] = (), recipe: Path = TINY_RECIPE,
+           wait: bool = True) -> JobResult:
+    """`sao launch RECIPE --nodes 1 --submit [--wait]` on CPU, from `workdir`; command=None runs `sao train`."""
+    waiting = ["--wait", "--wait-timeout", str(JOB_TIMEOUT_S)] if wait else []
     cmd = [sys.executable, "-m", "sao_megatron.cli.main", "launch", str(recipe), "--nodes", "1", "--submit",
-           "--wait", "--wait-timeout", str(JOB_TIMEOUT_S), "launch.gpus_per_node=0", f"launch.python='{sys.executable}'",
+           *waiting, "launch.gpus_per_node=0", f"launch.python='{sys.executable}'",
            "launch.time_limit='00:15:00'", *overrides]
     if command is not None:
         cmd += ["--train-command", command]
     proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, timeout=JOB_TIMEOUT_S + 60)
+    return collect(workdir, proc)
+
+
+def collect(workdir: Path, proc) -> JobResult:
     logs = sorted(workdir.glob("runs/*/logs/slurm-*.out"))
     run_dir = logs[-1].parents[1] if logs else workdir
     return JobResult(proc.returncode, proc.stdout, proc.stderr, logs[-1].read_text() if logs else "", run_dir)
