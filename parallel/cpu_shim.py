@@ -339,3 +339,13 @@ def patch_uneven_first_dim_collectives() -> None:
         _ORIGINAL["reduce_scatter"] = mappings._reduce_scatter_along_first_dim
     mappings._gather_along_first_dim = gather_first_dim_uneven
     mappings._reduce_scatter_along_first_dim = reduce_scatter_first_dim_uneven
+
+
+def enter_shim_in_this_thread() -> None:
+    """Push the CUDA->CPU device mode in the calling thread too.
+
+    Torch function modes are thread-local: a worker thread that runs Megatron (e.g. the trainer's model
+    thread, which keeps the rollout event loop free) must enter the mode itself. No-op with CUDA.
+    """
+    if install_cpu_shim() and not device_mode_active():
+        _device_mode().__enter__()
