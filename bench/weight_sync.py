@@ -22,7 +22,8 @@ import time
 import torch
 
 
-def synthetic_moe(total_mb: float, hidden: int = 512, experts: int = 16, inter: int = 256) -> list[tuple[str, torch.Tensor]]:
+def synthetic_moe(total_mb: float, hidden: int = 512, experts: int = 16,
+                  inter: int = 256) -> list[tuple[str, torch.Tensor]]:
     """MoE-shaped bf16 tensors until `total_mb` MiB; the values do not matter for throughput."""
     named, size, layer = [], 0, 0
     limit = total_mb * 2**20
@@ -32,8 +33,9 @@ def synthetic_moe(total_mb: float, hidden: int = 512, experts: int = 16, inter: 
                   p + "self_attn.v_proj.weight": (hidden // 4, hidden), p + "self_attn.o_proj.weight": (hidden, hidden),
                   p + "mlp.gate.weight": (experts, hidden), p + "input_layernorm.weight": (hidden,)}
         for e in range(experts):
-            shapes |= {f"{p}mlp.experts.{e}.gate_proj.weight": (inter, hidden), f"{p}mlp.experts.{e}.up_proj.weight": (inter, hidden),
-                       f"{p}mlp.experts.{e}.down_proj.weight": (hidden, inter)}
+            q = f"{p}mlp.experts.{e}."
+            shapes |= {q + "gate_proj.weight": (inter, hidden), q + "up_proj.weight": (inter, hidden),
+                       q + "down_proj.weight": (hidden, inter)}
         for name, shape in shapes.items():
             named.append((name, torch.ones(shape, dtype=torch.bfloat16)))
             size += named[-1][1].numel() * 2
@@ -85,7 +87,8 @@ async def _measure(total_mb: float, buckets_mb: list[float], num_engines: int, r
                 times.append(time.perf_counter() - start)
             best, raw_b = min(times), min(raw_times)
             sweep.append({"bucket_mb": mb, "seconds": best, "bytes_per_s": nbytes / best, "raw_seconds": raw_b,
-                          "raw_bytes_per_s": nbytes / raw_b, "ratio_vs_raw": raw_b / best, "ratio_vs_one_shot": raw_s / best})
+                          "raw_bytes_per_s": nbytes / raw_b, "ratio_vs_raw": raw_b / best,
+                          "ratio_vs_one_shot": raw_s / best})
         await sync.close()
     finally:
         for e in engines:
@@ -99,9 +102,12 @@ def run(quick: bool = False) -> dict:
         dict(total_mb=512, buckets_mb=[1, 4, 16, 64, 256], num_engines=2, repeats=3)
     result = asyncio.run(_measure(**cfg))
     best = max(result["sweep"], key=lambda s: s["ratio_vs_raw"])
-    lines = [f"weight sync, {result['bytes'] / 2**20:.0f} MiB in {result['tensors']} tensors -> {result['engines']} engines "
-             f"({result['backend']}); raw one-shot broadcast {result['raw_one_shot_bytes_per_s'] / 2**20:.0f} MiB/s"]
-    lines += [f"  bucket {s['bucket_mb']:>6g} MiB: sync {s['bytes_per_s'] / 2**20:6.0f} MiB/s, raw {s['raw_bytes_per_s'] / 2**20:6.0f} MiB/s"
+    mib = 2**20
+    lines = [f"weight sync, {result['bytes'] / mib:.0f} MiB in {result['tensors']} tensors -> "
+             f"{result['engines']} engines ({result['backend']}); "
+             f"raw one-shot broadcast {result['raw_one_shot_bytes_per_s'] / mib:.0f} MiB/s"]
+    lines += [f"  bucket {s['bucket_mb']:>6g} MiB: sync {s['bytes_per_s'] / mib:6.0f} MiB/s, "
+              f"raw {s['raw_bytes_per_s'] / mib:6.0f} MiB/s"
               f"  ratio {s['ratio_vs_raw']:.2f} (vs one-shot {s['ratio_vs_one_shot']:.2f})" for s in result["sweep"]]
     lines.append(f"best ratio {best['ratio_vs_raw']:.2f} at {best['bucket_mb']:g} MiB (target >= 0.85)")
     result["summary"] = "\n".join(lines)

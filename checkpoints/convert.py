@@ -127,7 +127,8 @@ def iter_mcore_to_hf(shards: Mapping[ShardLayout, Sequence[Mapping[str, torch.Te
         yield from unpack_rule(rule, full, spec).items()
 
 
-def mcore_to_hf(shards: Mapping[ShardLayout, Sequence[Mapping[str, torch.Tensor]]], spec: ArchSpec) -> dict[str, torch.Tensor]:
+def mcore_to_hf(shards: Mapping[ShardLayout, Sequence[Mapping[str, torch.Tensor]]],
+                spec: ArchSpec) -> dict[str, torch.Tensor]:
     return dict(iter_mcore_to_hf(shards, spec))
 
 

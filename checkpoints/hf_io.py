@@ -31,7 +31,8 @@ class HFCheckpoint(Mapping):
             with safe_open(self.path / SINGLE, "pt") as f:
                 self.weight_map = {k: SINGLE for k in f.keys()}
         else:
-            raise FileNotFoundError(f"{self.path}: no {SINGLE} or {INDEX}; fix: point at an HF safetensors model directory")
+            raise FileNotFoundError(f"{self.path}: no {SINGLE} or {INDEX}; "
+                                    "fix: point at an HF safetensors model directory")
         self._open: dict[str, object] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:

@@ -39,7 +39,8 @@ def _join(state, addr, port, rank, world, group_name, backend):
     timeout = datetime.timedelta(seconds=state.get("timeout_s", 600))
     store, rank, world = next(c10d.rendezvous(f"tcp://{addr}:{port}", rank, world, timeout=timeout))
     group, _ = c10d._new_process_group_helper(world, rank, [], c10d.Backend(backend),
-                                              c10d.PrefixStore(group_name, store), group_name=group_name, timeout=timeout)
+                                              c10d.PrefixStore(group_name, store), group_name=group_name,
+                                              timeout=timeout)
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world)}
     state["group"] = group
 
@@ -133,7 +134,8 @@ class LoopbackEngine(Engine):
     async def weight_version(self) -> int:
         return await self._rpc("version")
 
-    async def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name, backend):
+    async def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
+                                        backend):
         self._note("init_weights_update_group")
         self.rank = rank_offset
         await self._rpc("join", master_address, master_port, rank_offset, world_size, group_name, backend)

@@ -53,4 +53,5 @@ def verify_files(directory: Path, files: dict, fallback: str) -> None:
             raise CheckpointCorruptError(f"checkpoint file {path} is truncated or padded: {size} bytes, manifest says "
                                          f"{info['bytes']}{fallback}")
         if sha256_file(path) != info["sha256"]:
-            raise CheckpointCorruptError(f"checkpoint file {path} is corrupted (sha256 differs from the manifest){fallback}")
+            raise CheckpointCorruptError(f"checkpoint file {path} is corrupted (sha256 differs from the manifest)"
+                                         f"{fallback}")

@@ -59,7 +59,8 @@ def _check_names(hf: HFCheckpoint, spec) -> None:
     extra = sorted(set(hf) - expected_hf_names(spec))
     if extra:
         raise ValueError(f"{len(extra)} HF tensors have no Megatron mapping for {spec.arch}, e.g. {extra[0]} "
-                         f"(multi-token-prediction layers are not converted); fix: remove them or extend checkpoints/name_map.py")
+                         "(multi-token-prediction layers are not converted); "
+                         "fix: remove them or extend checkpoints/name_map.py")
 
 
 def load_mcore_dir(mcore_dir: str | Path) -> tuple[dict, dict]:
@@ -67,7 +68,8 @@ def load_mcore_dir(mcore_dir: str | Path) -> tuple[dict, dict]:
     root = Path(mcore_dir)
     meta_path = root / "sao_mcore.json"
     if not meta_path.is_file():
-        raise FileNotFoundError(f"{meta_path} not found; fix: point at a directory written by `sao convert hf-to-mcore`")
+        raise FileNotFoundError(f"{meta_path} not found; "
+                                "fix: point at a directory written by `sao convert hf-to-mcore`")
     meta = json.loads(meta_path.read_text())
     if meta.get("format") != FORMAT:
         raise ValueError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT!r}")

@@ -77,8 +77,9 @@ class RunCheckpointer:
 
     def _publish(self, tmp: Path, final: Path, step: int, components: list[str]) -> None:
         ranks = [f"manifest.rank{r:05d}.json" for r in range(self.world_size)]
-        write_json_durably(tmp / "manifest.json", {"step": step, "world_size": self.world_size, "components": components,
-                                                   "rank_manifests": describe_files(tmp, ranks), "created": time.time()})
+        top = {"step": step, "world_size": self.world_size, "components": components,
+               "rank_manifests": describe_files(tmp, ranks), "created": time.time()}
+        write_json_durably(tmp / "manifest.json", top)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -115,11 +116,13 @@ class RunCheckpointer:
         fallback = self._fallback_hint(ckpt)
         top = read_manifest(ckpt / "manifest.json", fallback)
         if top["world_size"] != self.world_size:
-            raise CheckpointCorruptError(f"{ckpt} was saved by {top['world_size']} ranks, this run has {self.world_size}; "
+            raise CheckpointCorruptError(f"{ckpt} was saved by {top['world_size']} ranks, "
+                                         f"this run has {self.world_size}; "
                                          f"fix: resume with the same layout, or convert through HF (sao convert)")
         missing = sorted(set(components) - set(top["components"]))
         if missing:
-            raise CheckpointCorruptError(f"{ckpt} has no state for component(s) {missing} (it holds {top['components']})")
+            raise CheckpointCorruptError(f"{ckpt} has no state for component(s) {missing} "
+                                         f"(it holds {top['components']})")
         verify_files(ckpt, top["rank_manifests"], fallback)
         own = read_manifest(ckpt / f"manifest.rank{self.rank:05d}.json", fallback)
         verify_files(ckpt, own["files"], fallback)

@@ -165,8 +165,8 @@ class BroadcastWeightSync(_PausingSync):
             return
         port, world = _free_port(), self.world_size
         name = f"sao_weights_pp{self.stage}_{uuid.uuid4().hex[:8]}"
-        calls = {f"engine {e.name}": e.init_weights_update_group(self.master_address, port, 1 + i * self.ranks_per_engine,
-                                                                 world, name, self.backend)
+        calls = {f"engine {e.name}": e.init_weights_update_group(
+                     self.master_address, port, 1 + i * self.ranks_per_engine, world, name, self.backend)
                  for i, e in enumerate(self.engines)}
         calls[SENDER] = in_daemon_thread(create_sender_group, self.master_address, port, world, name,
                                           self.backend, self.cfg.timeout_s)
@@ -272,7 +272,8 @@ async def check_weight_update_equal(engines: list[Engine], named_tensors: Iterab
 def _compare(engine: str, name: str, expected: torch.Tensor, got: torch.Tensor) -> None:
     got = got.detach().cpu()
     if tuple(got.shape) != tuple(expected.shape):
-        raise WeightMismatchError(f"engine {engine}: {name} has shape {tuple(got.shape)}, trainer {tuple(expected.shape)}")
+        raise WeightMismatchError(f"engine {engine}: {name} has shape {tuple(got.shape)}, "
+                                  f"trainer {tuple(expected.shape)}")
     want = expected.detach().cpu().to(got.dtype)
     if not torch.equal(got, want):
         delta = (got.double() - want.double()).abs()

@@ -15,7 +15,8 @@ def register(sub) -> None:
     to_mcore = kinds.add_parser("hf-to-mcore", help="HF directory -> every rank's Megatron shards")
     to_mcore.add_argument("hf_dir", help="HF model directory (config.json + safetensors)")
     to_mcore.add_argument("out_dir", help="directory to write (sao_mcore.json, shards/, hf/)")
-    for flag, doc in (("tp", "tensor"), ("ep", "expert"), ("pp", "pipeline"), ("vpp", "virtual pipeline (per pp rank)")):
+    sizes = (("tp", "tensor"), ("ep", "expert"), ("pp", "pipeline"), ("vpp", "virtual pipeline (per pp rank)"))
+    for flag, doc in sizes:
         to_mcore.add_argument(f"--{flag}", type=int, default=1, help=f"{doc} parallel size")
     to_mcore.add_argument("--etp", type=int, default=0, help="expert tensor parallel size (0 = tp)")
     to_mcore.add_argument("--padded-vocab", type=int, default=0,
