@@ -150,6 +150,9 @@ class BroadcastWeightSync(_PausingSync):
         super().__init__(cfg, engines, manage_pause, dtype)
         self.ranks_per_engine, self.master_address, self.stage = ranks_per_engine, master_address, stage
         self.backend = resolve_backend(cfg.backend)
+        if self.backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("weight_sync.backend = 'nccl' needs CUDA, and this process sees no GPU; "
+                             "fix: set weight_sync.backend to 'gloo' or 'auto'")
         self.device = "cuda" if self.backend == "nccl" else "cpu"
         self.group, self.group_name = None, ""
         self.bytes_sent = 0

@@ -125,6 +125,11 @@ def test_disk_sync_writes_shards_and_keeps_latest(tmp_path):
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v2"]
 
 
-def test_unknown_method_and_no_engines_refused():
+def test_unknown_method_no_engines_and_nccl_without_gpu_refused():
     with pytest.raises(ValueError, match="no engines"):
         build_weight_sync(WeightSyncConfig(), [])
+    with pytest.raises(ValueError, match="method 'ftp'"):
+        build_weight_sync(WeightSyncConfig(method="ftp"), [object()])
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="weight_sync.backend = 'nccl' needs CUDA"):
+            build_weight_sync(WeightSyncConfig(backend="nccl"), [object()])
