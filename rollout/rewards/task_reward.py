@@ -7,12 +7,16 @@ from sao_megatron.records import Sample
 
 
 def task_reward(sample: Sample) -> dict:
-    """Score the response with its task's checker; the online task scores at ``metadata["env_step"]``."""
+    """Score the response with its task's checker; the online task scores at ``metadata["env_step"]``.
+
+    An agent episode's submitted answer (``metadata["submitted"]``) is scored instead of the text.
+    """
+    text = sample.metadata.get("submitted", sample.response_text)
     task = sample.metadata.get("task")
     if task is None:
         raise ValueError(f"sample {sample.uid} has no metadata['task']; set rollout.reward_fn for dataset prompts")
     if task == "online":
         env = ChangingEnvironment.from_metadata(sample.metadata)
         step = int(sample.metadata.get("env_step", 0))
-        return {"reward": env.score(sample.response_text, sample.label, step), "env_phase": env.phase(step)}
-    return {"reward": get_task(task).score(sample.response_text, sample.label)}
+        return {"reward": env.score(text, sample.label, step), "env_phase": env.phase(step)}
+    return {"reward": get_task(task).score(text, sample.label)}

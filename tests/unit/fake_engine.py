@@ -11,6 +11,9 @@ Pause semantics follow SGLang's /pause_generation modes:
 New requests wait while paused. Each token is sampled under the engine's current ``version``,
 reported per token when ``report_versions`` is True.
 
+``script`` replaces the random response with exact tokens chosen from the input (agent tests);
+generation stops after a token in the request's stop_token_ids.
+
 Failure injection: ``kill()`` makes every running and future call raise EngineError until
 ``revive()``; ``fail_prob`` fails a request at a random token.
 """
@@ -40,12 +43,14 @@ class FakeEngine(Engine):
                  length_fn: Optional[Callable[[random.Random], int]] = None,
                  responder: Callable[[list[int], int], int] = digit_responder, version: int = 0,
                  report_versions: bool = True, fail_prob: float = 0.0, seed: int = 0,
-                 routed_layers: int = 0, max_running: int = 0, abort_returns_output: bool = True):
+                 routed_layers: int = 0, max_running: int = 0, abort_returns_output: bool = True,
+                 script: Optional[Callable[[list[int]], list[int]]] = None):
         self.name, self.token_time_s, self.eos_id = name, token_time_s, eos_id
         self.length_fn = length_fn or lognormal_lengths()
         self.responder, self.version, self.report_versions = responder, version, report_versions
         self.fail_prob, self.rng = fail_prob, random.Random(seed)
         self.routed_layers, self.abort_returns_output = routed_layers, abort_returns_output
+        self.script = script                 # input_ids -> the exact output tokens (agent tests)
         self.dead = False
         self.paused_mode: Optional[str] = None
         self._resumed = asyncio.Event()
@@ -74,7 +79,8 @@ class FakeEngine(Engine):
             self._aborted.discard(request.rid)
 
     async def _token_loop(self, request: GenerateRequest) -> GenerateResult:
-        target = self.length_fn(self.rng)
+        planned = self.script(request.input_ids) if self.script else None
+        target = len(planned) if planned is not None else self.length_fn(self.rng)
         fail_at = self.rng.randrange(max(target, 1)) if self.rng.random() < self.fail_prob else -1
         out, versions = [], []
         finish = "length"
@@ -93,8 +99,13 @@ class FakeEngine(Engine):
                 break
             if step == fail_at:
                 raise EngineError(f"engine {self.name}: injected failure in {request.rid}")
-            last = step + 1 >= target
-            out.append(self.eos_id if last else self.responder(request.input_ids + out, step))
+            if planned is not None:
+                token = planned[step]
+                last = step + 1 >= target or token in request.stop_token_ids
+            else:
+                last = step + 1 >= target
+                token = self.eos_id if last else self.responder(request.input_ids + out, step)
+            out.append(token)
             versions.append(self.version)
             self.tokens_generated += 1
             if last:
