@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -29,6 +30,11 @@ class Trainer:
         self.version = 0                  # weight version the engines serve
         self.warmup = recipe.critic.warmup_steps if recipe.critic.enabled else 0
         self.total = self.warmup + recipe.run.num_steps
+        # One thread runs every model call, so the event loop keeps requests flowing meanwhile.
+        self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="model", initializer=_enter_shim)
+
+    async def on_model_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._model_thread, fn, *args)
 
     async def train(self) -> None:
         await self.services.start(self)
@@ -37,27 +43,28 @@ class Trainer:
             while self.step < self.total and not self.services.preemption_requested():
                 started = time.perf_counter()
                 samples = await self.services.collect(self.recipe.rollout.batch_size, self.version)
-                batches, stats = self.prepare(samples)
-                stats |= await self.update_critic(batches)
+                batches, stats = await self.prepare(samples)
+                stats |= await self.update_critic(batches) | steps.rollout_metrics(samples, self.version)
                 if self.step >= self.warmup:
                     stats |= await self.update_policy(batches)
                     stats |= await self.services.sync_weights(self.version + 1)
                     self.version += 1
                 self.step += 1
                 stats["perf/step_time_s"] = time.perf_counter() - started
-                self.services.log(stats | steps.rollout_metrics(samples, self.version), self.step)
+                self.services.log(stats, self.step)
                 await self.services.maybe_checkpoint(self.step, final=self.step == self.total)
         finally:
             await self.services.stop()
+            self._model_thread.shutdown()
 
-    def prepare(self, samples: list[Sample]):
+    async def prepare(self, samples: list[Sample]):
         """Critic values -> advantages and returns -> packed micro-batches."""
         resp = response_tensors(samples)
         seq_values = None
         if self.services.critic is not None:
             probe = build_train_batches(samples, torch.zeros_like(resp.mask), None,
                                         self.recipe.parallel.micro_batch_tokens)
-            seq_values = _rows_by_uid(probe, self.services.critic.compute_values(probe))
+            seq_values = _rows_by_uid(probe, await self.on_model_thread(self.services.critic.compute_values, probe))
             seq_values = [seq_values[s.uid] for s in samples]
         advantages, returns, values, metrics = steps.compute_step_advantages(self.recipe.algorithm, samples, resp,
                                                                             seq_values)
@@ -73,28 +80,34 @@ class Trainer:
         loss_fn = steps.value_loss_fn(self.recipe.critic)
         stats = {}
         for _ in range(self.recipe.critic.updates_per_step):   # two-timescale: K critic updates
-            stats = await asyncio.to_thread(critic.train_step, batches, loss_fn)
+            stats = await self.on_model_thread(critic.train_step, batches, loss_fn)
         return steps.prefixed("critic", stats)
 
     async def update_policy(self, batches) -> dict:
         policy, algo = self.services.policy, self.recipe.algorithm
         if algo.loss != "dis" and algo.mini_batches > 1:  # PPO-style losses need pi_old before any update
-            for batch, (logp, _) in zip(batches, policy.compute_logprobs(batches)):
+            for batch, (logp, _) in zip(batches, await self.on_model_thread(policy.compute_logprobs, batches)):
                 batch.old_logprobs = logp
         loss_fn = steps.policy_loss_fn(algo, norm_len=float(self.recipe.rollout.max_new_tokens))
         stats = {}
         for part in _split(batches, algo.mini_batches):
             _rescale(part)
-            stats = await asyncio.to_thread(policy.train_step, part, loss_fn)
+            stats = await self.on_model_thread(policy.train_step, part, loss_fn)
         return steps.prefixed("train", stats)
 
     async def pretrain_value_model(self) -> None:
         """Value pretraining on the initial policy's rollouts (critic only, weights never change)."""
         for index in range(self.recipe.critic.pretrain_steps if self.services.critic else 0):
             samples = await self.services.collect(self.recipe.rollout.batch_size, self.version)
-            batches, _ = self.prepare(samples)
+            batches, _ = await self.prepare(samples)
             stats = await self.update_critic(batches)
             self.services.log({f"pretrain/{k.split('/')[-1]}": v for k, v in stats.items()}, -(index + 1))
+
+
+def _enter_shim() -> None:
+    from parallel.cpu_shim import enter_shim_in_this_thread
+
+    enter_shim_in_this_thread()
 
 
 def _rows_by_uid(batches, per_batch) -> dict:

@@ -79,11 +79,14 @@ class Services:
         return policy, critic
 
     async def _start_rollout(self) -> None:
-        from rollout.driver import RolloutDriver, build_prompt_source, resolve_reward_fn
+        from rollout.driver import RolloutDriver
+        from rollout.prompts import build_prompt_source
+        from rollout.rewards import resolve_reward_fn
 
         recipe, rollout = self.recipe, self.recipe.rollout
         self.engines, self.engine_handles = await start_engines(recipe, self.run_dir)
-        source = build_prompt_source(rollout, self.tokenizer, seed=recipe.run.seed)
+        source = build_prompt_source(rollout, self.tokenizer, seed=recipe.run.seed,
+                                     switch_every=rollout.env_switch_every)
         self.driver = RolloutDriver(self.engines, source, resolve_reward_fn(rollout), rollout, self.tokenizer,
                                     seed=recipe.run.seed)
         await self.driver.start()
