@@ -62,6 +62,19 @@ def shim_installed() -> bool:
     return _INSTALLED
 
 
+def enter_shim_in_this_thread() -> bool:
+    """Install the shim if needed and push the device mode in the calling thread.
+
+    TorchFunctionModes are thread-local: a worker thread that runs the model (the trainer's model
+    thread) must call this once before touching Megatron. Returns True when the shim is active.
+    """
+    if not install_cpu_shim():
+        return False
+    if not device_mode_active():
+        _CudaToCpuMode().__enter__()
+    return True
+
+
 def patch_megatron() -> None:
     """The Megatron-side patches (2, 6, 7, 8, 9); imports megatron.core."""
     patch_router_gemm()
@@ -339,13 +352,3 @@ def patch_uneven_first_dim_collectives() -> None:
         _ORIGINAL["reduce_scatter"] = mappings._reduce_scatter_along_first_dim
     mappings._gather_along_first_dim = gather_first_dim_uneven
     mappings._reduce_scatter_along_first_dim = reduce_scatter_first_dim_uneven
-
-
-def enter_shim_in_this_thread() -> None:
-    """Push the CUDA->CPU device mode in the calling thread too.
-
-    Torch function modes are thread-local: a worker thread that runs Megatron (e.g. the trainer's model
-    thread, which keeps the rollout event loop free) must enter the mode itself. No-op with CUDA.
-    """
-    if install_cpu_shim() and not device_mode_active():
-        _device_mode().__enter__()

@@ -139,3 +139,24 @@ def test_uneven_first_dim_collectives_on_gloo():
     for rank, result in enumerate(out):
         assert torch.equal(result["gathered"], expect_gather)
     assert torch.equal(out[0]["scattered"], summed[:2]) and torch.equal(out[1]["scattered"], summed[2:])
+
+
+def _thread_mode() -> dict:
+    import threading
+
+    seen = {}
+
+    def worker():
+        seen["before"] = cpu_shim.device_mode_active()
+        seen["entered"] = cpu_shim.enter_shim_in_this_thread()
+        seen["after"] = torch.empty(1, device="cuda").device.type
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join(timeout=60)
+    return seen
+
+
+def test_device_mode_is_entered_per_thread():
+    seen = run_distributed_test(_thread_mode, world_size=1, timeout_s=240)[0]
+    assert seen == {"before": False, "entered": True, "after": "cpu"}
