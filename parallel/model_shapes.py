@@ -177,7 +177,14 @@ def layer_params(cfg: dict, layer: int, mtp: bool = False) -> LayerParams:
 
 
 def all_layers(cfg: dict, include_mtp: bool = False) -> list[LayerParams]:
-    layers = [layer_params(cfg, i) for i in range(cfg["num_hidden_layers"])]
+    # All dense layers are alike and so are all MoE layers: count each kind once (the planner calls this often).
+    kinds: dict[bool, LayerParams] = {}
+    layers = []
+    for i in range(cfg["num_hidden_layers"]):
+        moe = is_moe_layer(cfg, i)
+        if moe not in kinds:
+            kinds[moe] = layer_params(cfg, i)
+        layers.append(kinds[moe])
     if include_mtp:
         layers += [layer_params(cfg, cfg["num_hidden_layers"] + i, mtp=True)
                    for i in range(cfg.get("num_nextn_predict_layers") or 0)]

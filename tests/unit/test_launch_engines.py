@@ -1,6 +1,7 @@
 """launch.engines.wait_ready: healthy engines, a missing one (named at the timeout), a dead engine step."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -43,8 +44,6 @@ def test_names_the_engine_that_never_answered(healthy_url):
 
 def test_a_dead_engine_step_fails_at_once():
     pid = subprocess.Popen([sys.executable, "-c", "pass"]).pid
-    import os
-
     os.waitpid(pid, 0)  # reaped: the pid no longer exists
     unreachable = f"http://127.0.0.1:{free_port('127.0.0.1')}"
     with pytest.raises(RuntimeError, match=rf"engine step\(s\) \[{pid}\] exited"):

@@ -138,6 +138,16 @@ def test_cli_takes_options_after_overrides_and_dry_run_writes_nothing(cpu_recipe
     assert main(["launch", str(cpu_recipe), "parallel.tp=0"]) == 2
 
 
+def test_sao_launch_console_script_entry(cpu_recipe, tmp_path, monkeypatch, capsys):
+    from launch.cli import main as sao_launch
+
+    monkeypatch.chdir(tmp_path)
+    assert sao_launch([str(cpu_recipe), "--nodes", "1"]) == 0
+    assert (tmp_path / "runs" / "cpu-launch" / "launch" / "job.sbatch").is_file()
+    assert "submit with: sbatch" in capsys.readouterr().out
+    assert sao_launch([str(cpu_recipe), "launch.nodes=0"]) == 2
+
+
 # ------------------------------------------------------------------ the script's bash, with fake slurm
 
 FAKE_SRUN = """#!/bin/bash
