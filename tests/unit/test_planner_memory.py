@@ -154,3 +154,20 @@ def test_sao_plan_cli_exit_codes(capsys):
     assert "verdict: DOES NOT FIT" in out and "layouts that fit (needs critic placement = swap)" in out
     assert main(["plan", recipe, "--optimizer-offload", "--critic-placement", "swap"]) == 0
     assert "verdict: FITS" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("layout", [Layout(tp=4, pp=4, cp=2, ep=32), Layout(tp=8, pp=2, ep=64, etp=2)])
+def test_critic_trainable_shards_sum_to_the_moe_part(layout):
+    """Frozen attention: trainable = all - attention - DSA indexer - dense MLPs - embedding - LM head + value head."""
+    from parallel.model_shapes import all_layers, embedding_params
+
+    cfg = get_shape("glm5-744b-a40b")
+    layers = all_layers(cfg)
+    frozen = sum(p.attention + p.indexer + p.dense_mlp for p in layers) + embedding_params(cfg)
+    expected = count_parameters(cfg).total - frozen - embedding_params(cfg) + cfg["hidden_size"] + 1
+    got = 0.0
+    for stage in range(layout.pp):
+        p = rank_params(cfg, layout, stage, trainable="moe_only", value_head=True)
+        got += (p.tp_split - p.frozen_split) * layout.tp + p.replicated - p.frozen_replicated \
+            + p.expert * layout.ep * layout.etp
+    assert got == pytest.approx(expected, rel=1e-12)
