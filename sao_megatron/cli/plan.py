@@ -43,12 +43,26 @@ def gib(value: float) -> str:
     return f"{value / 1024 ** 3:.1f}"
 
 
+def count(n: float) -> str:
+    """Parameter counts readable for the tiny model and the 750B alike (1.2M, 7.27B)."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def table_unit(plan) -> tuple[str, float]:
+    """GiB for real models, MiB when every row is under a GiB (the tiny CPU model)."""
+    biggest = max(m.total for m in (plan.policy, plan.critic) if m is not None)
+    return ("GiB", 1024 ** 3) if biggest >= 1024 ** 3 else ("MiB", 1024 ** 2)
+
+
 def render_plan(plan, model_name: str) -> str:
     from parallel.model_shapes import count_parameters
 
     inp = plan.inp
     counts = count_parameters(inp.cfg)
-    lines = [f"model {model_name}: {counts.total / 1e9:.2f}B parameters, {counts.active / 1e9:.2f}B active",
+    lines = [f"model {model_name}: {count(counts.total)} parameters, {count(counts.active)} active",
              f"allocation: {inp.gpus} x {inp.gpu.name} ({inp.gpu.memory_gib} GiB): {plan.world} trainer GPUs, "
              + (f"{inp.rollout_gpus} rollout GPUs" if inp.rollout_gpus else "engines colocated")]
     if plan.problem:
@@ -58,11 +72,13 @@ def render_plan(plan, model_name: str) -> str:
                  f"{inp.train.recompute}, micro-batch {inp.train.micro_batch_tokens} tokens, distributed optimizer "
                  f"{'on' if inp.train.distributed_optimizer else 'off'}, optimizer offload "
                  f"{'on' if inp.train.optimizer_offload else 'off'}")
-    lines.append(f"{'GiB per GPU':<22}{'params':>9}{'weights':>9}{'grads':>9}{'optim':>9}{'activ':>9}{'total':>9}")
+    unit, scale = table_unit(plan)
+    lines.append(f"{unit + ' per GPU':<22}{'params':>9}{'weights':>9}{'grads':>9}{'optim':>9}{'activ':>9}{'total':>9}")
     for name, mem in (("policy", plan.policy), ("critic", plan.critic)):
         if mem is not None:
-            lines.append(f"{name + f' (stage {mem.stage})':<22}{mem.params / 1e9:>8.2f}B{gib(mem.weights):>9}"
-                         f"{gib(mem.gradients):>9}{gib(mem.optimizer):>9}{gib(mem.activations):>9}{gib(mem.total):>9}")
+            cells = "".join(f"{v / scale:>9.1f}" for v in (mem.weights, mem.gradients, mem.optimizer,
+                                                          mem.activations, mem.total))
+            lines.append(f"{name + f' (stage {mem.stage})':<22}{count(mem.params):>9}{cells}")
     lines.append(f"trainer peak ({'both models resident' if inp.critic_placement == 'shared' else 'one model at a time'}"
                  f" + runtime reserve): {gib(plan.trainer_total)} GiB")
     if plan.host_per_gpu:

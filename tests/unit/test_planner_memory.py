@@ -171,3 +171,15 @@ def test_critic_trainable_shards_sum_to_the_moe_part(layout):
         got += (p.tp_split - p.frozen_split) * layout.tp + p.replicated - p.frozen_replicated \
             + p.expert * layout.ep * layout.etp
     assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_sao_plan_reads_a_local_model_and_prints_mib_for_tiny_models(tiny_model_dir, tmp_path, capsys):
+    from sao_megatron.cli.main import main
+    from sao_megatron.cli.plan import count
+
+    recipe = tmp_path / "tiny.toml"
+    recipe.write_text(f'[model]\npath = "{tiny_model_dir}"\n[launch]\ngpus_per_node = 1\n')
+    assert main(["plan", str(recipe), "--gpus", "1"]) == 0
+    out = capsys.readouterr().out
+    total = count_parameters(json.loads((tiny_model_dir / "config.json").read_text())).total
+    assert f"{count(total)} parameters" in out and "MiB per GPU" in out and "verdict: FITS" in out
