@@ -1,6 +1,6 @@
 """An in-process Engine for fast driver tests and the pipeline benchmark.
 
-Timing model: each output token takes ``token_time_s`` (continuous batching without a capacity
+Timing model: each output token takes ``token_time_s`` (slept once per ``tokens_per_tick`` tokens) (continuous batching without a capacity
 limit unless ``max_running`` is set), so a request's latency is proportional to its length. The
 length of a response is drawn from ``length_fn(rng)`` (long-tailed by default: lognormal).
 
@@ -44,13 +44,14 @@ class FakeEngine(Engine):
                  responder: Callable[[list[int], int], int] = digit_responder, version: int = 0,
                  report_versions: bool = True, fail_prob: float = 0.0, seed: int = 0,
                  routed_layers: int = 0, max_running: int = 0, abort_returns_output: bool = True,
-                 script: Optional[Callable[[list[int]], list[int]]] = None):
+                 script: Optional[Callable[[list[int]], list[int]]] = None, tokens_per_tick: int = 1):
         self.name, self.token_time_s, self.eos_id = name, token_time_s, eos_id
         self.length_fn = length_fn or lognormal_lengths()
         self.responder, self.version, self.report_versions = responder, version, report_versions
         self.fail_prob, self.rng = fail_prob, random.Random(seed)
         self.routed_layers, self.abort_returns_output = routed_layers, abort_returns_output
         self.script = script                 # input_ids -> the exact output tokens (agent tests)
+        self.tokens_per_tick = tokens_per_tick   # sleep once per this many tokens (less loop overhead)
         self.dead = False
         self.paused_mode: Optional[str] = None
         self._resumed = asyncio.Event()
@@ -85,10 +86,8 @@ class FakeEngine(Engine):
         out, versions = [], []
         finish = "length"
         for step in range(request.max_new_tokens):
-            if self.token_time_s:
-                await asyncio.sleep(self.token_time_s)
-            else:
-                await asyncio.sleep(0)
+            if step % self.tokens_per_tick == 0:
+                await asyncio.sleep(self.token_time_s * self.tokens_per_tick)
             while not self._resumed.is_set() and request.rid not in self._aborted:
                 await asyncio.sleep(0.002)
             self._check_alive()
