@@ -21,6 +21,11 @@ a rank's local indices. Table (HF on-disk names, prefix model.layers.L):
 | embedding.word_embeddings.weight           | model.embed_tokens.weight                    | vocab |
 | decoder.final_layernorm.weight             | model.norm.weight                            | rep   |
 | output_layer.weight                        | lm_head.weight (embed_tokens when tied)      | vocab |
+
+Multi-latent attention (GLM-5-class, DeepSeek-V3) replaces the QKV rows with
+| self_attention.linear_q_down_proj / linear_q_up_proj | self_attn.q_a_proj / q_b_proj        | col |
+| self_attention.q_layernorm / kv_layernorm  | self_attn.q_a_layernorm / kv_a_layernorm     | rep   |
+| self_attention.linear_kv_down_proj / linear_kv_up_proj | self_attn.kv_a_proj_with_mqa / kv_b_proj | col |
 """
 from __future__ import annotations
 
@@ -50,14 +55,8 @@ def layer_rules(spec: ArchSpec, L: int) -> list[Rule]:
         return Rule(m + mc, tuple(h + n for n in hf), pack, split, L, expert)
 
     rules = [rule("input_layernorm.weight", ["input_layernorm.weight"])]
-    for kind in ["weight"] + (["bias"] if spec.qkv_bias else []):
-        rules.append(rule(f"self_attention.linear_qkv.{kind}",
-                          [f"self_attn.{p}_proj.{kind}" for p in "qkv"], "qkv", "col"))
-    if spec.qk_norm:
-        rules += [rule("self_attention.q_layernorm.weight", ["self_attn.q_norm.weight"]),
-                  rule("self_attention.k_layernorm.weight", ["self_attn.k_norm.weight"])]
-    rules += [rule("self_attention.linear_proj.weight", ["self_attn.o_proj.weight"], split="row"),
-              rule("pre_mlp_layernorm.weight", ["post_attention_layernorm.weight"])]
+    rules += _mla_attention(rule, spec) if spec.mla else _gqa_attention(rule, spec)
+    rules.append(rule("pre_mlp_layernorm.weight", ["post_attention_layernorm.weight"]))
     if L not in spec.moe_layers:
         return rules + _glu_mlp(rule, "mlp.", "mlp.")
     rules.append(rule("mlp.router.weight", ["mlp.gate.weight"]))
@@ -68,6 +67,35 @@ def layer_rules(spec: ArchSpec, L: int) -> list[Rule]:
     for g in range(spec.num_experts):
         rules += _glu_mlp(rule, f"mlp.experts.local_experts.{g}.", f"mlp.experts.{g}.", expert=g)
     return rules
+
+
+def _gqa_attention(rule, spec: ArchSpec) -> list[Rule]:
+    rules = []
+    for kind in ["weight"] + (["bias"] if spec.qkv_bias else []):
+        rules.append(rule(f"self_attention.linear_qkv.{kind}",
+                          [f"self_attn.{p}_proj.{kind}" for p in "qkv"], "qkv", "col"))
+    if spec.qk_norm:
+        rules += [rule("self_attention.q_layernorm.weight", ["self_attn.q_norm.weight"]),
+                  rule("self_attention.k_layernorm.weight", ["self_attn.k_norm.weight"])]
+    return rules + [rule("self_attention.linear_proj.weight", ["self_attn.o_proj.weight"], split="row")]
+
+
+def _mla_attention(rule, spec: ArchSpec) -> list[Rule]:
+    """Multi-latent attention, Megatron local spec: the down projections are ColumnParallelLinear
+    (gather_output=False, gathered inside MLA), so under TP they split on dim 0 like the up projections;
+    the latent norms are replicated. Head layouts agree ([nope, rope] per head in q, [nope, v] per head
+    in kv_up, [kv_lora, rope] in kv_down), so every tensor is a plain copy."""
+    a = "self_attention."
+    if spec.q_lora_rank:
+        rules = [rule(a + "linear_q_down_proj.weight", ["self_attn.q_a_proj.weight"], split="col"),
+                 rule(a + "q_layernorm.weight", ["self_attn.q_a_layernorm.weight"]),
+                 rule(a + "linear_q_up_proj.weight", ["self_attn.q_b_proj.weight"], split="col")]
+    else:
+        rules = [rule(a + "linear_q_proj.weight", ["self_attn.q_proj.weight"], split="col")]
+    return rules + [rule(a + "linear_kv_down_proj.weight", ["self_attn.kv_a_proj_with_mqa.weight"], split="col"),
+                    rule(a + "kv_layernorm.weight", ["self_attn.kv_a_layernorm.weight"]),
+                    rule(a + "linear_kv_up_proj.weight", ["self_attn.kv_b_proj.weight"], split="col"),
+                    rule(a + "linear_proj.weight", ["self_attn.o_proj.weight"], split="row")]
 
 
 def _glu_mlp(rule, mc: str, hf: str, expert=None) -> list[Rule]:

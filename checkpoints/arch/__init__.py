@@ -4,12 +4,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import glm4_moe, qwen3_moe
+from . import glm4_moe, glm5, qwen3_moe
 from .spec import ArchSpec
 
-ARCHS = {"qwen3_moe": qwen3_moe, "glm4_moe": glm4_moe}
-# HF model_type -> our family name.
-MODEL_TYPES = {"qwen3_moe": "qwen3_moe", "glm4_moe": "glm4_moe"}
+ARCHS = {"qwen3_moe": qwen3_moe, "glm4_moe": glm4_moe, "glm5": glm5}
+# HF model_type -> our family name (the same table as parallel/specs.py).
+MODEL_TYPES = {"qwen3_moe": "qwen3_moe", "glm4_moe": "glm4_moe", "glm_moe_dsa": "glm5", "deepseek_v3": "glm5"}
 
 
 def spec_from_hf_config(cfg: dict, arch: str = "") -> ArchSpec:
@@ -17,7 +17,7 @@ def spec_from_hf_config(cfg: dict, arch: str = "") -> ArchSpec:
     name = arch or MODEL_TYPES.get(cfg.get("model_type", ""), "")
     if name not in ARCHS:
         raise ValueError(f"architecture {name or cfg.get('model_type')!r} has no HF<->Megatron mapping; "
-                         f"fix: use one of {sorted(ARCHS)} (GLM-5-class needs an MLA/DSA mapping, not built)")
+                         f"fix: use one of {sorted(ARCHS)}")
     return ARCHS[name].spec_from_hf_config(cfg)
 
 

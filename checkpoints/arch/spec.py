@@ -25,6 +25,8 @@ class ArchSpec:
     qk_norm: bool = True           # per-head RMSNorm on q and k (Qwen3: always; GLM: use_qk_norm)
     expert_bias: bool = False      # GLM: router e_score_correction_bias (aux-loss-free balancing)
     tie_embeddings: bool = False
+    mla: bool = False              # GLM-5 / DeepSeek-V3 multi-latent attention instead of grouped QKV
+    q_lora_rank: int = 0           # MLA: 0 = plain q_proj, else q_a_proj -> q_a_layernorm -> q_b_proj
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
