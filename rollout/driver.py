@@ -116,8 +116,13 @@ class RolloutDriver:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ---- the trainer's side ---------------------------------------------------------------------
-    async def get_batch(self, num_samples: int, current_version: int) -> list[Sample]:
-        """`num_samples` rewarded samples (whole groups) within the staleness bound, oldest first."""
+    async def get_batch(self, num_samples: int, current_version: int, *, max_tokens: Optional[int] = None) -> list[Sample]:
+        """`num_samples` rewarded samples (whole groups) within the staleness bound, oldest first.
+
+        With ``max_tokens`` the batch is token-budgeted instead: it waits until `num_samples` samples
+        or `max_tokens` tokens are ready and returns the oldest whole groups that fit the budget
+        (at least one group).
+        """
         if not self._running:
             raise DriverError("get_batch before start() (or after stop()); await driver.start() first")
         if num_samples > self.buffer.capacity:
@@ -128,8 +133,8 @@ class RolloutDriver:
         while True:
             self._raise_if_failed()
             self._apply_staleness_bound()
-            if self.buffer.num_ready >= num_samples:
-                batch = self.buffer.pop(num_samples)
+            if self._batch_ready(num_samples, max_tokens):
+                batch = self.buffer.pop(num_samples) if max_tokens is None else self.buffer.pop(max_tokens=max_tokens)
                 self.stats.observe(batch, current_version)
                 self._last_batch = batch
                 self._fill()
@@ -143,6 +148,11 @@ class RolloutDriver:
                 last_progress = time.monotonic()       # a weight update in progress is not a stall
             if time.monotonic() - last_progress > self.stall_timeout_s:
                 raise DriverError(self._stall_message())
+
+    def _batch_ready(self, num_samples: int, max_tokens: Optional[int]) -> bool:
+        if self.buffer.num_ready >= num_samples:
+            return True
+        return max_tokens is not None and self.buffer.num_ready > 0 and self.buffer.ready_tokens() >= max_tokens
 
     @contextlib.asynccontextmanager
     async def weight_update(self, mode: Optional[str] = None, version: Optional[int] = None):

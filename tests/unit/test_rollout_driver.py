@@ -390,3 +390,18 @@ def test_bad_update_mode_is_rejected():
         await d.stop()
 
     asyncio.run(main())
+
+
+def test_token_budgeted_batches_fit_the_budget():
+    cfg = make_cfg(max_new_tokens=20)
+
+    async def main():
+        d = make_driver(engines(2), cfg)
+        await d.start()
+        batches = [await d.get_batch(8, 0, max_tokens=200) for _ in range(3)]
+        await d.stop()
+        return batches
+
+    for batch in asyncio.run(main()):
+        tokens = sum(s.num_tokens for s in batch)
+        assert batch and (tokens <= 200 or len(batch) == 1)
