@@ -113,6 +113,23 @@ class RunCheckpointer:
         ckpt = Path(path) if path is not None else self.latest()
         if ckpt is None:
             return None
+        error = None
+        try:
+            self._verify(ckpt, components)
+        except CheckpointCorruptError as err:
+            error = err
+        failed = self._ranks_failed(error is not None)
+        if error is not None:
+            raise error
+        if failed:   # this rank's files are fine, but another rank cannot resume: nobody may continue
+            raise CheckpointCorruptError(f"{ckpt} failed verification on rank(s) {failed} (their error names the "
+                                         f"file){self._fallback_hint(ckpt)}")
+        for name, component in components.items():
+            state = torch.load(ckpt / f"{name}.rank{self.rank:05d}.pt", map_location="cpu", weights_only=False)
+            _load_into(component, state)
+        return ckpt
+
+    def _verify(self, ckpt: Path, components: dict) -> None:
         fallback = self._fallback_hint(ckpt)
         top = read_manifest(ckpt / "manifest.json", fallback)
         if top["world_size"] != self.world_size:
@@ -126,10 +143,17 @@ class RunCheckpointer:
         verify_files(ckpt, top["rank_manifests"], fallback)
         own = read_manifest(ckpt / f"manifest.rank{self.rank:05d}.json", fallback)
         verify_files(ckpt, own["files"], fallback)
-        for name, component in components.items():
-            state = torch.load(ckpt / f"{name}.rank{self.rank:05d}.pt", map_location="cpu", weights_only=False)
-            _load_into(component, state)
-        return ckpt
+
+    def _ranks_failed(self, failed_here: bool) -> list[int]:
+        """Ranks whose verification failed (all ranks learn it, so all stop together, none hangs)."""
+        import torch.distributed as dist
+
+        if self.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return [self.rank] if failed_here else []
+        flags = torch.zeros(self.world_size, dtype=torch.int32)
+        flags[self.rank] = int(failed_here)
+        dist.all_reduce(flags)
+        return [r for r in range(self.world_size) if flags[r]]
 
     def _fallback_hint(self, ckpt: Path) -> str:
         older = [p for p in self.list() if p.name < ckpt.name]
