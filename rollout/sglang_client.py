@@ -1,0 +1,300 @@
+"""`SGLangEngine`: the Engine seam over SGLang's HTTP protocol (SGLang 0.5.23 or `sao serve`).
+
+One pooled aiohttp session per engine; every call has a timeout; connection failures (refused,
+reset, server disconnected) are retried with exponential backoff ``backoff_s * 2**attempt``, nothing
+else is (an HTTP error or a timeout is the engine's answer). Every reply is checked and a malformed
+one raises `EngineError` naming the engine, the route and the field.
+
+Weight versions are strings in SGLang; ours are ints. The client sends ``str(version)`` and reads
+``int(...)`` back; SGLang's initial ``"default"`` reads as 0 (the weights it was started with).
+Per-token versions come from ``meta_info.output_token_weight_versions`` (reference server) or are
+expanded from SGLang's ``meta_info.weight_versions`` spans.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any, Optional
+
+from rollout.engine import Engine, EngineError, GenerateRequest, GenerateResult
+from rollout.routed_experts import decode_routed_experts
+
+import torch
+
+FINISH_TYPES = ("stop", "length", "abort")
+
+
+def _aiohttp():
+    try:
+        import aiohttp
+    except ImportError as err:   # a core dependency, but say how to fix it
+        raise ImportError("SGLangEngine needs aiohttp: pip install 'aiohttp>=3.9'") from err
+    return aiohttp
+
+
+class SGLangEngine(Engine):
+    """HTTP client of one SGLang-protocol server at `url` (e.g. "http://127.0.0.1:30000")."""
+
+    def __init__(self, url: str, api_key: str = "", name: Optional[str] = None, timeout_s: float = 600.0,
+                 control_timeout_s: float = 60.0, weight_timeout_s: float = 600.0, max_retries: int = 3,
+                 backoff_s: float = 0.5, moe_topk: Optional[int] = None, num_moe_layers: Optional[int] = None,
+                 max_connections: int = 256):
+        self.url = url.rstrip("/")
+        self.name = name or self.url
+        self.api_key = api_key
+        self.timeout_s = timeout_s                  # /generate
+        self.control_timeout_s = control_timeout_s  # abort, pause, health, info, reads
+        self.weight_timeout_s = weight_timeout_s    # group init, weight updates (wait on the trainer)
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.moe_topk = moe_topk
+        self.num_moe_layers = num_moe_layers
+        self.max_connections = max_connections
+        self._session = None
+
+    # ---- transport ----
+    def _fail(self, what: str) -> EngineError:
+        return EngineError(f"engine {self.name}: {what}")
+
+    async def _get_session(self):
+        aiohttp = _aiohttp()
+        if self._session is None or self._session.closed:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            self._session = aiohttp.ClientSession(
+                headers=headers, connector=aiohttp.TCPConnector(limit=self.max_connections))
+        return self._session
+
+    async def _call(self, method: str, path: str, body: Optional[dict], timeout_s: float) -> tuple[int, Any]:
+        """One HTTP call with retries on connection errors; returns (status, parsed JSON or text)."""
+        aiohttp = _aiohttp()
+        session = await self._get_session()
+        for attempt in range(self.max_retries + 1):
+            try:
+                async with session.request(method, self.url + path, json=body,
+                                           timeout=aiohttp.ClientTimeout(total=timeout_s)) as reply:
+                    text = await reply.text()
+                    return reply.status, _maybe_json(reply.content_type, text)
+            except asyncio.TimeoutError:
+                raise self._fail(f"{path} timed out after {timeout_s:.0f}s") from None
+            except aiohttp.ClientConnectionError as err:
+                if attempt == self.max_retries:
+                    raise self._fail(f"{path} failed after {attempt + 1} connection attempts: "
+                                     f"{type(err).__name__}: {err}") from err
+                await asyncio.sleep(self.backoff_s * 2 ** attempt)
+        raise AssertionError("unreachable")
+
+    async def _ok(self, method: str, path: str, body: Optional[dict], timeout_s: float) -> Any:
+        status, data = await self._call(method, path, body, timeout_s)
+        if not 200 <= status < 300:
+            raise self._fail(f"{path} answered HTTP {status}: {_message(data)}")
+        return data
+
+    async def _success(self, path: str, body: dict, timeout_s: float) -> dict:
+        """Routes answering {success, message}: raise with the engine's message unless success."""
+        status, data = await self._call("POST", path, body, timeout_s)
+        if not isinstance(data, dict) or "success" not in data:
+            raise self._fail(f"{path} answered HTTP {status} without a 'success' field: {str(data)[:300]}")
+        if not data["success"] or not 200 <= status < 300:
+            raise self._fail(f"{path} failed: {data.get('message', '')}")
+        return data
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+
+    # ---- generation ----
+    async def generate(self, request: GenerateRequest) -> GenerateResult:
+        body = generate_body(request)
+        data = await self._ok("POST", "/generate", body, self.timeout_s)
+        top_k = await self._route_topk() if request.return_routed_experts else None
+        try:
+            return parse_generate_reply(data, request, top_k, self.num_moe_layers, self.name)
+        except ValueError as err:
+            raise self._fail(f"/generate reply for rid {request.rid}: {err}") from None
+
+    async def _route_topk(self) -> int:
+        if self.moe_topk is None:
+            info = await self._ok("GET", "/model_info", None, self.control_timeout_s)
+            topk = info.get("moe_topk") if isinstance(info, dict) else None
+            if not isinstance(topk, int) or topk < 1:
+                raise self._fail("cannot decode routed experts: the server does not report moe_topk "
+                                 "(SGLang does not); pass SGLangEngine(moe_topk=config.num_experts_per_tok)")
+            self.moe_topk = topk
+        return self.moe_topk
+
+    async def abort(self, rid: Optional[str] = None) -> None:
+        await self._ok("POST", "/abort_request", {"rid": rid or "", "abort_all": rid is None}, self.control_timeout_s)
+
+    async def pause(self, mode: str = "in_place") -> None:
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause mode {mode!r} unknown; use abort, retract or in_place")
+        await self._ok("POST", "/pause_generation", {"mode": mode}, self.control_timeout_s)
+
+    async def resume(self) -> None:
+        await self._ok("POST", "/continue_generation", {}, self.control_timeout_s)
+
+    async def flush_cache(self) -> None:
+        await self._ok("POST", "/flush_cache", None, self.control_timeout_s)
+
+    async def health(self) -> bool:
+        """True iff /health answers 200 within the control timeout (never raises on a dead server)."""
+        try:
+            status, _ = await self._call("GET", "/health", None, self.control_timeout_s)
+        except EngineError:
+            return False
+        return status == 200
+
+    async def model_info(self) -> dict:
+        info = await self._ok("GET", "/model_info", None, self.control_timeout_s)
+        if not isinstance(info, dict) or "weight_version" not in info:
+            raise self._fail(f"/model_info reply has no 'weight_version': {str(info)[:300]}")
+        return info
+
+    async def weight_version(self) -> int:
+        try:
+            return parse_version((await self.model_info())["weight_version"])
+        except ValueError as err:
+            raise self._fail(f"/model_info: {err}") from None
+
+    # ---- weights ----
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str) -> None:
+        """Returns once the engine has joined; the trainer (rank 0) must be joining concurrently."""
+        await self._success("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend}, self.weight_timeout_s)
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self._success("/destroy_weights_update_group", {"group_name": group_name}, self.weight_timeout_s)
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str, weight_version: int, flattened_bucket: bool = True,
+                                              flush_cache: bool = True) -> None:
+        """Returns after the engine received and loaded the bucket; the trainer broadcasts concurrently."""
+        await self._success("/update_weights_from_distributed", {
+            "names": names, "dtypes": [str(d).replace("torch.", "") for d in dtypes],
+            "shapes": [list(s) for s in shapes], "group_name": group_name, "flush_cache": flush_cache,
+            "weight_version": str(weight_version),
+            "load_format": "flattened_bucket" if flattened_bucket else None}, self.weight_timeout_s)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None:
+        await self._success("/update_weights_from_disk", {
+            "model_path": model_path, "weight_version": str(weight_version)}, self.weight_timeout_s)
+
+    async def get_weights_by_name(self, name: str) -> torch.Tensor:
+        """The whole tensor as float32 (SGLang sends JSON numbers; exact for fp32/bf16/fp16 weights)."""
+        data = await self._ok("POST", "/get_weights_by_name", {"name": name, "truncate_size": 2**31 - 1},
+                              self.weight_timeout_s)
+        if not isinstance(data, (list, float, int)):
+            raise self._fail(f"/get_weights_by_name {name!r}: expected a (nested) list of numbers, got "
+                             f"{type(data).__name__}")
+        try:
+            return torch.tensor(data, dtype=torch.float32)
+        except (TypeError, ValueError) as err:
+            raise self._fail(f"/get_weights_by_name {name!r}: ragged or non-numeric reply ({err})") from None
+
+
+def generate_body(request: GenerateRequest) -> dict:
+    """SGLang /generate body for one request (output-token logprobs only: logprob_start_len -1)."""
+    sampling = {"max_new_tokens": request.max_new_tokens, "temperature": request.temperature,
+                "top_p": request.top_p, "top_k": request.top_k, "stop_token_ids": list(request.stop_token_ids)}
+    if request.seed is not None:
+        sampling["sampling_seed"] = request.seed
+    return {"rid": request.rid, "input_ids": list(request.input_ids), "sampling_params": sampling,
+            "return_logprob": request.return_logprob, "logprob_start_len": -1,
+            "return_routed_experts": request.return_routed_experts}
+
+
+def parse_version(value: Any) -> int:
+    if value == "default":   # SGLang's name for the weights it started with
+        return 0
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"weight_version {value!r} is not an integer") from None
+
+
+def parse_generate_reply(data: Any, request: GenerateRequest, top_k: Optional[int],
+                         num_layers: Optional[int], engine: str) -> GenerateResult:
+    """Check and convert one /generate reply; ValueError names the bad field."""
+    if not isinstance(data, dict):
+        raise ValueError(f"reply is {type(data).__name__}, expected an object")
+    output_ids, meta = data.get("output_ids"), data.get("meta_info")
+    if not isinstance(output_ids, list) or not all(isinstance(t, int) for t in output_ids):
+        raise ValueError("'output_ids' missing or not a list of ints")
+    if not isinstance(meta, dict):
+        raise ValueError("'meta_info' missing")
+    finish = meta.get("finish_reason")
+    kind = finish.get("type") if isinstance(finish, dict) else None
+    if kind not in FINISH_TYPES:
+        raise ValueError(f"meta_info.finish_reason {finish!r} has no type in {FINISH_TYPES}")
+    if "weight_version" not in meta:
+        raise ValueError("meta_info.weight_version missing")
+    n = len(output_ids)
+    logprobs = _logprobs(meta, output_ids) if request.return_logprob else []
+    routes = None
+    if request.return_routed_experts and (n or kind != "abort"):
+        if "routed_experts" not in meta:
+            if kind != "abort":
+                raise ValueError("meta_info.routed_experts missing (was the server started with "
+                                 "--enable-return-routed-experts?)")
+        else:
+            routes = decode_routed_experts(meta["routed_experts"], len(request.input_ids) + n - 1, top_k, num_layers)
+    return GenerateResult(rid=request.rid, output_ids=output_ids, output_logprobs=logprobs, finish_reason=kind,
+                          weight_version=parse_version(meta["weight_version"]),
+                          output_weight_versions=_token_versions(meta, n), routed_experts=routes,
+                          prompt_tokens=int(meta.get("prompt_tokens", len(request.input_ids))), engine=engine)
+
+
+def _logprobs(meta: dict, output_ids: list[int]) -> list[float]:
+    entries = meta.get("output_token_logprobs")
+    if not isinstance(entries, list) or len(entries) != len(output_ids):
+        got = len(entries) if isinstance(entries, list) else "none"
+        raise ValueError(f"meta_info.output_token_logprobs has {got} entries for {len(output_ids)} output tokens")
+    out = []
+    for i, (entry, token) in enumerate(zip(entries, output_ids)):
+        if not isinstance(entry, (list, tuple)) or len(entry) < 2 or entry[1] != token:
+            raise ValueError(f"meta_info.output_token_logprobs[{i}] = {entry!r} does not match output token {token}")
+        value = entry[0]
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value > 1e-6:
+            raise ValueError(f"meta_info.output_token_logprobs[{i}] = {value!r} is not a finite logprob <= 0")
+        out.append(float(value))
+    return out
+
+
+def _token_versions(meta: dict, n: int) -> Optional[list[int]]:
+    if "output_token_weight_versions" in meta:
+        versions = meta["output_token_weight_versions"]
+        if not isinstance(versions, list) or len(versions) != n:
+            raise ValueError(f"meta_info.output_token_weight_versions must list {n} versions")
+        return [parse_version(v) for v in versions]
+    spans = meta.get("weight_versions")
+    if not spans:
+        return None
+    versions: list[Optional[int]] = [None] * n
+    for span in spans:
+        for i in range(max(span["start"], 0), min(span["end"], n)):
+            versions[i] = parse_version(span["version"])
+    if any(v is None for v in versions):
+        raise ValueError(f"meta_info.weight_versions spans {spans!r} do not cover all {n} output tokens")
+    return versions
+
+
+def _maybe_json(content_type: str, text: str) -> Any:
+    import json
+
+    if "json" in content_type:
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return text
+    return text
+
+
+def _message(data: Any) -> str:
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict):
+            return str(err.get("message", err))
+        return str(err or data.get("message") or data)[:500]
+    return str(data)[:500]
