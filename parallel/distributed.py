@@ -117,6 +117,13 @@ def single_process_port() -> None:
         os.environ["MASTER_PORT"] = str(free_port())
 
 
+def comm_device() -> torch.device:
+    """Where small tensors for collectives must live: the GPU under nccl, else the CPU."""
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -88,7 +88,9 @@ def guarded_step(opt, clip_grad: float, loss_finite: bool = True) -> tuple[bool,
 
 def loss_is_finite(value: float, group=None) -> bool:
     """Agree over `group` (world by default) that the loss is finite: every rank must skip together."""
-    flag = torch.tensor([0.0 if math.isfinite(value) else 1.0])
+    from .distributed import comm_device
+
+    flag = torch.tensor([0.0 if math.isfinite(value) else 1.0], device=comm_device())
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(flag, group=group)
     return bool(flag.item() == 0.0)

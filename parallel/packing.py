@@ -77,7 +77,9 @@ def local_num_tokens(batches: list[TrainBatch]) -> float:
 
 def global_num_tokens(batches: list[TrainBatch], group=None) -> float:
     """Action tokens over these micro-batches and every DP rank of `group` (default: Megatron's DP group)."""
-    total = torch.tensor([local_num_tokens(batches)], dtype=torch.float64)
+    from .distributed import comm_device
+
+    total = torch.tensor([local_num_tokens(batches)], dtype=torch.float64, device=comm_device())
     if torch.distributed.is_initialized():
         if group is None:
             from megatron.core import parallel_state
@@ -89,7 +91,10 @@ def global_num_tokens(batches: list[TrainBatch], group=None) -> float:
 
 def with_global_counts(batches: list[TrainBatch], group=None) -> list[TrainBatch]:
     """Set global_num_tokens / global_num_seqs on every micro-batch (all DP ranks agree on them)."""
-    seqs = torch.tensor([float(sum(int((b.loss_mask.sum(1) > 0).sum()) for b in batches))], dtype=torch.float64)
+    from .distributed import comm_device
+
+    seqs = torch.tensor([float(sum(int((b.loss_mask.sum(1) > 0).sum()) for b in batches))], dtype=torch.float64,
+                        device=comm_device())
     tokens = global_num_tokens(batches, group)
     if torch.distributed.is_initialized():
         from megatron.core import parallel_state

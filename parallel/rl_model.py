@@ -21,6 +21,7 @@ from sao_megatron.records import LossOutputs, TrainBatch
 
 from . import model_build, specs
 from .dims import ParallelDims
+from .distributed import comm_device
 from .hf_mapping import HFMapping
 from .logprobs import token_logprobs_from_logits
 from .optimizer import OptimSettings, build_optimizer, current_lr, guarded_step, loss_is_finite, wrap_ddp
@@ -229,10 +230,10 @@ def _broadcast_from_last_stage(store: list, shapes: list, keys: tuple) -> list[d
     for i, shape in enumerate(shapes):
         item = {}
         for key in keys:
-            tensor = store[i][key].detach().float().contiguous() if store else torch.empty(tuple(shape))
+            tensor = store[i][key].detach().float().contiguous() if store else torch.empty(tuple(shape), device=comm_device())
             if size > 1:
                 torch.distributed.broadcast(tensor, src=last, group=group)
-            item[key] = tensor
+            item[key] = tensor.cpu()  # the trainer's tensors live on the CPU
         out.append(item)
     return out
 
@@ -252,7 +253,7 @@ def _reduce_metrics(store: list) -> dict[str, float]:
         summed = box[0]
     if parallel_state.get_data_parallel_world_size() > 1 and summed:
         keys = sorted(summed)
-        vec = torch.tensor([summed[k] for k in keys], dtype=torch.float64)
+        vec = torch.tensor([summed[k] for k in keys], dtype=torch.float64, device=comm_device())
         torch.distributed.all_reduce(vec, group=parallel_state.get_data_parallel_group())
-        summed = dict(zip(keys, vec.tolist()))
+        summed = dict(zip(keys, vec.cpu().tolist()))
     return {k: (v if math.isfinite(v) else float("nan")) for k, v in summed.items()}

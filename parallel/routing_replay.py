@@ -104,7 +104,9 @@ class RouteAgreement:
 
     def reduced(self, group=None) -> Optional[float]:
         """Agreement over all ranks of `group` (None = world); None when nothing was replayed."""
-        counts = torch.tensor([self.agree, self.total], dtype=torch.float64)
+        from .distributed import comm_device
+
+        counts = torch.tensor([self.agree, self.total], dtype=torch.float64, device=comm_device())
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(counts, group=group)
         return float(counts[0] / counts[1]) if counts[1] > 0 else None
@@ -159,7 +161,7 @@ class RouteReplayer:
 
 def _fill_missing(target: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     valid = (target >= 0).all(dim=-1)
-    placeholder = torch.arange(top_k, dtype=target.dtype).expand_as(target)
+    placeholder = torch.arange(top_k, dtype=target.dtype, device=target.device).expand_as(target)
     return torch.where(valid.unsqueeze(-1), target, placeholder).contiguous(), valid
 
 

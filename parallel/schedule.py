@@ -7,11 +7,19 @@ with our finalize function passing no token count (so grads are not divided agai
 """
 from __future__ import annotations
 
+from dataclasses import fields, replace
 from typing import Callable, Optional
 
 import torch
 
 from sao_megatron.records import TrainBatch
+
+
+def batch_to(batch: TrainBatch, device: torch.device) -> TrainBatch:
+    """The batch with every tensor on `device` (the model's; CPU batches stay as they are)."""
+    changes = {f.name: getattr(batch, f.name).to(device) for f in fields(batch)
+               if isinstance(getattr(batch, f.name), torch.Tensor) and getattr(batch, f.name).device != device}
+    return replace(batch, **changes) if changes else batch
 
 
 def configure_per_token_loss(config) -> None:
@@ -41,6 +49,8 @@ def run_schedule(chunks: list[torch.nn.Module], batches: list[TrainBatch], seq_m
     from .packing import pad_seq
 
     chunk_index = {id(c): i for i, c in enumerate(chunks)}
+    device = next(chunks[0].parameters()).device
+    batches = [batch_to(b, device) for b in batches]
     padded = [pad_seq(b, seq_multiple) for b in batches]
 
     def forward_step(data_iterator, model):
@@ -48,7 +58,7 @@ def run_schedule(chunks: list[torch.nn.Module], batches: list[TrainBatch], seq_m
         if before_forward is not None:
             before_forward(chunk_index[id(model)], padded[index])
         tokens = padded[index].tokens
-        positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
         output = model(tokens, positions, None)
 
         def loss_func(output_tensor):

@@ -7,7 +7,9 @@ Families (values and sources in ../shared/notes/models.md):
   with expert-score-correction bias (noaux_tc), routed_scaling_factor, QKV bias, partial RoPE 0.5.
 - glm5 (GLM-5-class 750B-A40B, model_type glm_moe_dsa / deepseek_v3): multi-latent attention through
   Megatron's MLATransformerConfig, first dense layers, shared expert, sigmoid router with bias.
-  The DSA sparse indexer is not modelled: attention is dense MLA.
+  The DSA sparse indexer is not modelled: attention is dense MLA. MLA needs the TE spec (GPU):
+  the local spec's attention cannot run it in Megatron-Core 0.16.1, and HF<->Megatron names for
+  MLA weights are not mapped yet (parallel/hf_mapping.py raises naming the tensor).
 
 Local (torch) layer specs on CPU, Transformer Engine specs on GPU: ``use_transformer_engine`` is the
 single place that chooses.
@@ -199,5 +201,9 @@ def layer_spec(config, impl: str = "auto", vp_stage: Optional[int] = None):
     """The decoder block spec for this pipeline (and virtual) stage: TE on GPU, local torch on CPU."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    return get_gpt_decoder_block_spec(config, use_transformer_engine=use_transformer_engine(impl),
+    use_te = use_transformer_engine(impl)
+    if getattr(config, "multi_latent_attention", False) and not use_te:
+        raise SpecError("multi-latent attention (GLM-5-class) needs the Transformer Engine layer spec: "
+                        "Megatron-Core 0.16.1's local DotProductAttention cannot run MLA; use a CUDA node with TE")
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                       normalization="RMSNorm", vp_stage=vp_stage)

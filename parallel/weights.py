@@ -16,6 +16,7 @@ from typing import Iterator, Mapping
 
 import torch
 
+from .distributed import comm_device
 from .hf_mapping import HFMapping, MappingError
 
 VALUE_HEAD = "value_head.weight"
@@ -117,6 +118,6 @@ def export_hf_tensors(modules, base: HFMapping, value_head: bool = False) -> Ite
             owner.setdefault(name, (src, meta))
     for name in sorted(owner, key=_natural_key):
         src, (shape, dtype) = owner[name]
-        tensor = owned[name] if src == rank else torch.empty(shape, dtype=dtype)
+        tensor = owned[name] if src == rank else torch.empty(shape, dtype=dtype, device=comm_device())
         torch.distributed.broadcast(tensor, src=src)
         yield name, tensor

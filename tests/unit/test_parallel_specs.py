@@ -71,3 +71,10 @@ def test_fp8_on_cpu_is_one_line_error():
     assert fp8_config_kwargs("mxfp8", check_device=False) == {"fp8": "e4m3", "fp8_recipe": "mxfp8", "fp8_param": False}
     with pytest.raises(ValueError, match="not a recipe"):
         fp8_config_kwargs("fp4")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
+def test_mla_on_local_spec_is_one_line_error():
+    cfg = specs.transformer_config(GLM5, ParallelDims())
+    with pytest.raises(specs.SpecError, match="needs the Transformer Engine layer spec"):
+        specs.layer_spec(cfg, "auto")
