@@ -125,6 +125,9 @@ class RolloutDriver:
         """
         if not self._running:
             raise DriverError("get_batch before start() (or after stop()); await driver.start() first")
+        if num_samples % self.group_size:
+            raise ValueError(f"get_batch({num_samples}) is not a multiple of the group size {self.group_size}; "
+                             "make rollout.batch_size a multiple of rollout.n_samples_per_prompt")
         if num_samples > self.buffer.capacity:
             raise ValueError(f"get_batch({num_samples}) does not fit the buffer (capacity {self.buffer.capacity}); "
                              "pass a larger buffer_capacity")
