@@ -30,6 +30,7 @@ class Trainer:
         self.version = 0                  # weight version the engines serve
         self.warmup = recipe.critic.warmup_steps if recipe.critic.enabled else 0
         self.total = self.warmup + recipe.run.num_steps
+        self.trains = recipe.run.debug != "rollout-only"   # rollout-only: collect and save, never update
         # One thread runs every model call, so the event loop keeps requests flowing meanwhile.
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="model", initializer=_enter_shim)
 
@@ -43,12 +44,14 @@ class Trainer:
             while self.step < self.total and not self.services.preemption_requested():
                 started = time.perf_counter()
                 samples = await self.services.collect(self.recipe.rollout.batch_size, self.version)
-                batches, stats = await self.prepare(samples)
-                stats |= await self.update_critic(batches) | steps.rollout_metrics(samples, self.version)
-                if self.step >= self.warmup:
-                    stats |= await self.update_policy(batches)
-                    stats |= await self.services.sync_weights(self.version + 1)
-                    self.version += 1
+                stats = steps.rollout_metrics(samples, self.version)
+                if self.trains:
+                    batches, prepared = await self.prepare(samples)
+                    stats |= prepared | await self.update_critic(batches)
+                    if self.step >= self.warmup:
+                        stats |= await self.update_policy(batches)
+                        stats |= await self.services.sync_weights(self.version + 1)
+                        self.version += 1
                 self.step += 1
                 stats["perf/step_time_s"] = time.perf_counter() - started
                 self.services.log(stats, self.step)

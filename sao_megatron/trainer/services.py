@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 import secrets
 import sys
 from pathlib import Path
@@ -26,7 +27,6 @@ class Services:
         self.engines, self.engine_handles = [], []
         self.driver = self.weight_sync = self.sink = self.checkpointer = None
         self.tokenizer = None
-        self.debug_samples: list[Sample] = []
 
     # ------------------------------------------------------------------------------------ lifecycle
     async def start(self, trainer) -> None:
@@ -40,13 +40,15 @@ class Services:
             self.tokenizer = AutoTokenizer.from_pretrained(recipe.model.path)
             self.sink = self._build_sink()
             if recipe.run.debug == "train-only":
-                from rollout.dump import load_rollouts
+                from rollout.dump import SavedRollouts
 
-                self.debug_samples = load_rollouts(Path(recipe.run.debug_dir))
+                self.driver = SavedRollouts(recipe.run.debug_dir)   # same interface as the driver
             else:
-                await self._start_rollout()
+                await self._build_rollout()
         self._build_checkpointer()
         await self._maybe_resume()
+        if self.driver is not None:
+            await self.driver.start()
 
     async def stop(self) -> None:
         if self.driver is not None:
@@ -78,7 +80,7 @@ class Services:
                 critic.load_hf_state_dict(hf)
         return policy, critic
 
-    async def _start_rollout(self) -> None:
+    async def _build_rollout(self) -> None:
         from rollout.driver import RolloutDriver
         from rollout.prompts import build_prompt_source
         from rollout.rewards import resolve_reward_fn
@@ -89,7 +91,6 @@ class Services:
                                      switch_every=rollout.env_switch_every)
         self.driver = RolloutDriver(self.engines, source, resolve_reward_fn(rollout), rollout, self.tokenizer,
                                     seed=recipe.run.seed)
-        await self.driver.start()
         if recipe.run.debug != "rollout-only":
             from checkpoints.weight_sync import build_weight_sync
 
@@ -113,42 +114,37 @@ class Services:
         """Rank 0 gets finished samples from the driver (or the saved rollouts); others receive them."""
         samples = None
         if self.is_driver:
-            if self.recipe.run.debug == "train-only":
-                samples = self._next_saved(num_samples)
-            else:
-                samples = await self.driver.get_batch(num_samples, version)
-                if self.recipe.run.debug == "rollout-only":
-                    from rollout.dump import save_rollouts
+            samples = await self.driver.get_batch(num_samples, version)
+            if self.recipe.run.debug == "rollout-only":
+                from rollout.dump import RolloutDumper
 
-                    save_rollouts(samples, self.run_dir / "rollouts", step=self.trainer.step)
+                RolloutDumper(self.run_dir / "rollouts").write(self.trainer.step, samples)
         return _share(samples, self.world_size)
 
-    def _next_saved(self, num_samples: int) -> list[Sample]:
-        if len(self.debug_samples) < num_samples:
-            raise RuntimeError(f"train-only: {self.recipe.run.debug_dir} has no more saved rollouts "
-                               f"(needed {num_samples}); fix: lower run.num_steps or save more with rollout-only")
-        batch, self.debug_samples = self.debug_samples[:num_samples], self.debug_samples[num_samples:]
-        return batch
-
     async def sync_weights(self, version: int) -> dict:
-        """Broadcast the new policy weights to every engine under `version`. All ranks join the export."""
+        """Broadcast the new policy weights to every engine under `version`, engines paused meanwhile."""
         if self.recipe.run.debug != "none":
             return {}
-        import time
-
         started = time.perf_counter()
-        named = self.policy.export_hf()
         if self.is_driver:
             async with self.driver.weight_update(self.recipe.weight_sync.pause_mode):
-                await self.weight_sync.push(named, version)
-            if self.recipe.weight_sync.check_equal:
-                from checkpoints.weight_sync import check_weight_update_equal
-
-                await check_weight_update_equal(self.engines, self.policy.export_hf())
+                await self.push_weights(version)
         else:
-            for _ in named:  # non-zero ranks take part in the gathers
-                pass
+            await self.push_weights(version)
         return {"perf/weight_sync_s": time.perf_counter() - started}
+
+    async def push_weights(self, version: int) -> None:
+        """Every rank takes part in gathering the HF-named tensors; rank 0 sends them."""
+        named = self.policy.export_hf()
+        if not self.is_driver:
+            for _ in named:
+                pass
+            return
+        await self.weight_sync.push(named, version)
+        if self.recipe.weight_sync.check_equal:
+            from checkpoints.weight_sync import check_weight_update_equal
+
+            await check_weight_update_equal(self.engines, self.policy.export_hf())
 
     def log(self, metrics: dict, step: int) -> None:
         if self.sink is None:
@@ -186,11 +182,15 @@ class Services:
             return
         path = None if resume == "auto" else Path(resume)
         loaded = self.checkpointer.load(self._components(), path=path)
-        if loaded is not None and self.is_driver:
+        if loaded is None:
+            return
+        if self.is_driver:
             print(f"resumed from {loaded} at step {self.trainer.step}, weight version {self.trainer.version}",
                   file=sys.stderr)
-            if self.weight_sync is not None and self.trainer.version > 0:
-                await self.sync_weights(self.trainer.version)
+        if self.trainer.version > 0 and self.recipe.run.debug == "none":
+            # The engines start from the initial weights: give them the resumed policy before any
+            # request runs (the driver has not started yet, so there is nothing to pause).
+            await self.push_weights(self.trainer.version)
 
     def preemption_requested(self) -> bool:
         from checkpoints.preemption import should_checkpoint_and_exit

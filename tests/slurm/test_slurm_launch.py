@@ -72,3 +72,14 @@ def test_usr1_before_the_time_limit_checkpoints_requeues_and_resumes(submit_reci
     assert _job_state(job_id) in ("COMPLETED", "GONE"), log
     assert "got USR1, saving" in log and f"requeueing job {job_id}" in log
     assert "resumed from step7 restart=1" in log and "trainer finished with code 0" in log
+
+
+def test_sao_train_tiny_recipe_trains_and_checkpoints_under_slurm(submit_recipe, tmp_path):
+    job = submit_recipe(tmp_path, None, ["run.num_steps=2", "critic.warmup_steps=1", "rollout.batch_size=8",
+                                         "rollout.max_in_flight=8", "logging.wandb=false"])
+    assert job.launch_rc == 0, job.stderr + job.log
+    rows = [json.loads(line) for line in (job.run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert "train/pg_clipfrac" in rows[-1] and "critic/vf_loss" in rows[-1]
+    assert (job.run_dir / "checkpoints" / "latest").exists()
+    assert "weight version 2" in job.log
