@@ -198,13 +198,16 @@ def task_rows(task: str, seed: int, num_problems: int, switch_every: int = 50) -
     return rows
 
 
-def build_prompt_source(cfg, tokenizer, seed: int, *, num_problems: int = 4096, switch_every: int = 50,
+def build_prompt_source(cfg, tokenizer, seed: int, *, num_problems: int = 4096, switch_every: Optional[int] = None,
                         chat_template: bool = True) -> PromptSource:
     """The recipe's prompts: ``cfg.dataset`` if set, else the built-in ``cfg.task``.
 
-    ``switch_every`` is the online environment's phase length in trainer steps; ``chat_template``
-    wraps string prompts in the tokenizer's chat template (when it has one).
+    ``switch_every`` is the online environment's phase length in trainer steps (default
+    ``cfg.env_switch_every``, else 50); ``chat_template`` wraps string prompts in the tokenizer's
+    chat template (when it has one).
     """
+    if switch_every is None:
+        switch_every = getattr(cfg, "env_switch_every", 50)
     if cfg.dataset:
         rows, name = load_rows(cfg.dataset, cfg.bad_row), cfg.dataset
     else:

@@ -42,7 +42,7 @@ def import_object(path: str, field: str = "rollout.reward_fn") -> Any:
 
 
 def resolve_reward_fn(cfg) -> RewardFn:
-    """The recipe's reward: ``cfg.reward_fn`` import path, else the task's own, else math-verify.
+    """The recipe's reward: ``cfg.reward_fn`` import path, else math-verify for a dataset, else the task's.
 
     An imported object with a ``from_config(cfg)`` classmethod (e.g. the HTTP reward model) is built
     from the rollout config; any other callable is used as is.
@@ -54,11 +54,11 @@ def resolve_reward_fn(cfg) -> RewardFn:
         if not callable(obj):
             raise ValueError(f"rollout.reward_fn: {cfg.reward_fn!r} is not callable; point it at a function")
         return obj
-    if cfg.task:
-        from rollout.rewards.task_reward import task_reward
-        return task_reward
-    from rollout.rewards.math import math_reward
-    return math_reward
+    if cfg.dataset:             # a dataset wins over the task, as in build_prompt_source
+        from rollout.rewards.math import math_reward
+        return math_reward
+    from rollout.rewards.task_reward import task_reward
+    return task_reward
 
 
 def _is_async(fn) -> bool:

@@ -28,6 +28,7 @@ def test_resolve_import_path_task_default_and_math_default():
     assert resolve_reward_fn(RolloutConfig(reward_fn="test_rewards_base:double_len")) is double_len
     assert resolve_reward_fn(RolloutConfig(task="countdown")) is task_reward
     assert resolve_reward_fn(RolloutConfig(task="", dataset="x.jsonl")) is math_reward
+    assert resolve_reward_fn(RolloutConfig(task="countdown", dataset="x.jsonl")) is math_reward   # dataset wins
 
 
 @pytest.mark.parametrize("path,match", [("nodots", "not an import path"), ("no_such_mod_xyz:f", "cannot import"),

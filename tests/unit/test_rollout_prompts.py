@@ -95,3 +95,9 @@ def test_plain_prompts_without_chat_template_are_short():
     src = build_prompt_source(RolloutConfig(task="arithmetic"), TOK, seed=0, chat_template=False)
     p = src.next()
     assert p.prompt_text.endswith("=") and len(p.prompt_ids) == len(p.prompt_text) <= 4
+
+
+def test_online_task_takes_the_switch_period_from_the_config():
+    src = build_prompt_source(RolloutConfig(task="online", env_switch_every=7), TOK, seed=0, num_problems=4)
+    p = src.next()
+    assert p.metadata["switch_every"] == 7 and p.metadata["task"] == "online" and len(p.label) == 1
