@@ -12,7 +12,6 @@ Recipe: ``rollout.reward_fn = "rollout.rewards.reward_model:RewardModel"`` with 
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 from sao_megatron.records import Sample
 

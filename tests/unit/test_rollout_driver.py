@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import pytest
 
@@ -200,7 +199,12 @@ def test_staleness_bound_holds_under_fast_trainer_slow_engine():
 
 
 def check_no_loss_no_dup_after_drops(d, out):
-    assert len({s.uid for s in out}) == len(out)
+    """Drop policy: every drawn prompt is returned, held, or counted as dropped - exactly once."""
+    state = d.state_dict()
+    held = [x["uid"] for g in state["buffer"]["ready"] for x in g] + [x["uid"] for x in state["work"]]
+    uids = [s.uid for s in out] + held
+    assert len(uids) == len(set(uids))
+    assert len(uids) + d.stats.dropped == state["prompt_source"]["drawn"]
 
 
 def test_stale_samples_are_regenerated_not_lost():
