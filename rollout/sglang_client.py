@@ -23,6 +23,32 @@ import torch
 
 FINISH_TYPES = ("stop", "length", "abort")
 
+# Everything this client uses of SGLang's protocol. tests/unit/test_sglang_contract.py checks each
+# entry against the pinned SGLang's http_server.py (routes), io_struct.py (request structs),
+# sampling_params.py and the meta_info keys its tokenizer manager writes, and checks that the client
+# sends nothing beyond this table.
+SGLANG_VERSION = "0.5.23"
+ROUTES: dict[str, tuple[str, str | None, tuple[str, ...]]] = {   # path: (method, request struct, fields sent)
+    "/generate": ("POST", "GenerateReqInput", ("rid", "input_ids", "sampling_params", "return_logprob",
+                                               "logprob_start_len", "return_routed_experts")),
+    "/abort_request": ("POST", "AbortReq", ("rid", "abort_all")),
+    "/pause_generation": ("POST", "PauseGenerationReqInput", ("mode",)),
+    "/continue_generation": ("POST", "ContinueGenerationReqInput", ()),
+    "/flush_cache": ("POST", None, ()),
+    "/health": ("GET", None, ()),
+    "/model_info": ("GET", None, ()),
+    "/init_weights_update_group": ("POST", "InitWeightsUpdateGroupReqInput", (
+        "master_address", "master_port", "rank_offset", "world_size", "group_name", "backend")),
+    "/destroy_weights_update_group": ("POST", "DestroyWeightsUpdateGroupReqInput", ("group_name",)),
+    "/update_weights_from_distributed": ("POST", "UpdateWeightsFromDistributedReqInput", (
+        "names", "dtypes", "shapes", "group_name", "flush_cache", "weight_version", "load_format")),
+    "/update_weights_from_disk": ("POST", "UpdateWeightFromDiskReqInput", ("model_path", "weight_version")),
+    "/get_weights_by_name": ("POST", "GetWeightsByNameReqInput", ("name", "truncate_size")),
+}
+SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed")
+META_INFO_FIELDS = ("finish_reason", "prompt_tokens", "weight_version", "weight_versions",
+                    "output_token_logprobs", "routed_experts")
+
 
 def _aiohttp():
     try:
@@ -106,7 +132,9 @@ class SGLangEngine(Engine):
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         body = generate_body(request)
         data = await self._ok("POST", "/generate", body, self.timeout_s)
-        top_k = await self._route_topk() if request.return_routed_experts else None
+        has_routes = isinstance(data, dict) and isinstance(data.get("meta_info"), dict) \
+            and "routed_experts" in data["meta_info"]
+        top_k = await self._route_topk() if request.return_routed_experts and has_routes else self.moe_topk
         try:
             return parse_generate_reply(data, request, top_k, self.num_moe_layers, self.name)
         except ValueError as err:

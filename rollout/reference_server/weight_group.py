@@ -83,11 +83,12 @@ def flatten_bucket(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def unflatten_bucket(flat: torch.Tensor, names: list[str], dtypes: list[torch.dtype],
                      shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:
+    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for dtype, shape in zip(dtypes, shapes)]
+    if sum(sizes) != flat.numel():
+        raise ValueError(f"flattened bucket has {flat.numel()} bytes, names/dtypes/shapes account for {sum(sizes)}")
     out, offset = [], 0
-    for name, dtype, shape in zip(names, dtypes, shapes):
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        out.append((name, flat[offset: offset + nbytes].view(dtype).reshape(shape).clone()))
+    for name, dtype, shape, nbytes in zip(names, dtypes, shapes, sizes):
+        # copy the bytes first: a slice at an offset not divisible by the itemsize cannot be viewed
+        out.append((name, flat[offset: offset + nbytes].clone().view(dtype).reshape(shape)))
         offset += nbytes
-    if offset != flat.numel():
-        raise ValueError(f"flattened bucket has {flat.numel()} bytes, names/dtypes/shapes account for {offset}")
     return out
