@@ -26,6 +26,7 @@ LAYOUTS = {
     "pp2": dict(pp=2),
     "vpp2": dict(pp=2, vpp=2),
     "dp2": dict(),
+    "dp2_distopt": dict(distributed_optimizer=True),
     "tp2xep2": dict(tp=2, ep=2),
     "tp2xpp2": dict(tp=2, pp=2),
 }

@@ -13,6 +13,7 @@ and logprob at position t belong to token t and come from the hidden state at t-
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Callable, Iterator, Mapping, Optional
 
 import torch
@@ -103,13 +104,25 @@ class RLModel:
     def _before_forward(self, chunk_index: int, batch: TrainBatch) -> None:
         self.replayer.set_routes(chunk_index, batch.routed_experts)
 
+    def _fill_pipeline(self, batches: list[TrainBatch]) -> list[TrainBatch]:
+        """With VPP Megatron needs a multiple of pp micro-batches: pad with copies whose loss_mask
+        and advantages are zero (no loss, no gradient, no route replay); their outputs are dropped."""
+        if self.dims.vpp == 1 or len(batches) % self.dims.pp == 0:
+            return batches
+        extra = self.dims.pp - len(batches) % self.dims.pp
+        last = batches[-1]
+        zero = torch.zeros_like(last.loss_mask)
+        filler = replace(last, loss_mask=zero, advantages=zero, routed_experts=None, sample_uids=[])
+        return batches + [filler] * extra
+
     def _forward_only(self, batches: list[TrainBatch], on_output) -> list:
         for chunk in self.chunks:
             chunk.eval()
         try:
             with torch.no_grad():
-                return run_schedule(self.chunks, batches, self.seq_multiple, on_output, self._before_forward,
-                                    forward_only=True)
+                store = run_schedule(self.chunks, self._fill_pipeline(batches), self.seq_multiple, on_output,
+                                     self._before_forward, forward_only=True)
+            return store[:len(batches)]
         finally:
             self.replayer.clear()
 
@@ -146,7 +159,8 @@ class RLModel:
         self.replayer.agreement.reset()
         on_output = self._policy_outputs(loss_fn) if self.role == "policy" else self._critic_outputs(loss_fn)
         try:
-            store = run_schedule(self.chunks, batches, self.seq_multiple, on_output, self._before_forward)
+            store = run_schedule(self.chunks, self._fill_pipeline(batches), self.seq_multiple, on_output,
+                                 self._before_forward)
         finally:
             self.replayer.clear()
         metrics = _reduce_metrics(store)

@@ -49,6 +49,13 @@ def _export_and_critic(model_dir: str) -> dict:
         policy.load_hf_state_dict(hf)
         exported = dict(policy.export_hf())
         out[f"export_{name}"] = set(exported) == set(hf) and all(torch.equal(exported[k], hf[k]) for k in hf)
+    for name, layout in {"pp2": dict(pp=2), "vpp2": dict(pp=2, vpp=2)}.items():  # 3 micro-batches: VPP pads to 4
+        teardown_model_parallel()
+        policy = RLModel.build(lc.make_recipe(model_dir, layout), "policy")
+        policy.load_hf_state_dict(hf)
+        three = lc.fixed_batches(105, num=3, seq=12)
+        out[f"three_{name}"] = {"logp": [lp for lp, _ in policy.compute_logprobs(three)],
+                                "step": policy.train_step(three, lc.policy_gradient_loss)}
     for name, layout in {"single_world": dict(), "tp2": dict(tp=2), "pp2": dict(pp=2)}.items():
         teardown_model_parallel()
         critic = RLModel.build(lc.make_recipe(model_dir, layout), "critic")
@@ -100,3 +107,12 @@ def test_critic_matches_dp2_reference_and_keeps_attention_frozen(components, nam
         assert got["losses"][-1] < got["losses"][0]
         for v, r in zip(got["values"], ref["values"]):
             assert torch.allclose(v, r, atol=2e-6, rtol=0)
+
+
+def test_vpp_with_fewer_micro_batches_than_needed_matches_pp(components):
+    for rank in components:
+        pp, vpp = rank["three_pp2"], rank["three_vpp2"]
+        assert len(vpp["logp"]) == 3
+        assert all(torch.equal(a, b) for a, b in zip(pp["logp"], vpp["logp"]))
+        assert vpp["step"]["loss"] == pytest.approx(pp["step"]["loss"], abs=1e-7)
+        assert vpp["step"]["grad_norm"] == pytest.approx(pp["step"]["grad_norm"], rel=1e-6)
