@@ -114,3 +114,26 @@ def test_agent_through_the_driver_scores_the_submitted_answer():
     for s in asyncio.run(main()):
         s.check()
         assert s.reward == 1.0 and s.metadata["submitted"] == s.label and 0 in s.loss_mask
+
+
+def test_resumed_mid_episode_answers_the_dangling_call_first():
+    first, second = call("python", code="print(2+2)"), call("submit", answer="4")
+    engine = FakeEngine("e0", script=scripted([first, second]))
+    ids = TOK.encode(first, add_special_tokens=False)
+    sample = Sample(uid="p0", prompt_index=0, prompt_ids=[1], response_ids=list(ids), loss_mask=[1] * len(ids),
+                    rollout_logprobs=[-1.0] * len(ids), weight_versions=[0] * len(ids), metadata={"turns": 1})
+
+    async def turn(s, max_new, stop_ids):
+        from rollout.engine import GenerateRequest
+        r = await engine.generate(GenerateRequest("x", s.prompt_ids + s.response_ids, max_new, stop_token_ids=stop_ids))
+        s.response_ids += r.output_ids
+        s.loss_mask += [1] * len(r.output_ids)
+        s.rollout_logprobs += r.output_logprobs
+        s.weight_versions += r.output_weight_versions
+        return r.finish_reason
+
+    asyncio.run(ToolAgent(TOK).rollout(sample, turn))
+    sample.check()
+    obs = TOK.decode([t for t, m in zip(sample.response_ids, sample.loss_mask) if m == 0], skip_special_tokens=False)
+    assert obs == "\n<tool_response>4\n</tool_response>\n" and sample.metadata["submitted"] == "4"
+    assert sample.metadata["turns"] == 2 and len(engine.rids) == 1

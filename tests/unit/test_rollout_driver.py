@@ -409,3 +409,24 @@ def test_token_budgeted_batches_fit_the_budget():
     for batch in asyncio.run(main()):
         tokens = sum(s.num_tokens for s in batch)
         assert batch and (tokens <= 200 or len(batch) == 1)
+
+
+def test_online_environment_phase_follows_the_trainer_version():
+    cfg = make_cfg(task="online", env_switch_every=2, max_new_tokens=4, batch_size=4)
+
+    async def main():
+        d = make_driver(engines(2), cfg, buffer_capacity=12)
+        await d.start()
+        seen = []
+        for version in (0, 0, 2, 2, 2, 4, 4, 4):
+            batch = await d.get_batch(4, version)
+            seen += batch
+            assert d.metrics()["env/phase"] == batch[-1].reward_info["env_phase"]
+            assert all(s.metadata["env_step"] <= version for s in batch)
+        await d.stop()
+        return seen
+
+    seen = asyncio.run(main())
+    for s in seen:      # scored by the rule of the phase at the trainer step when it finished
+        assert s.reward_info["env_phase"] == (s.metadata["env_step"] // 2) % 3
+    assert {s.reward_info["env_phase"] for s in seen} == {0, 1, 2}
