@@ -53,11 +53,18 @@ async def run_all(calls: dict[str, Awaitable], what: str, timeout_s: float) -> l
         t.cancel()
     if failed:
         label, err = tasks[failed[0]], failed[0].exception()
-        raise EngineError(f"{label}: {what} failed: {type(err).__name__}: {err}") from err
+        raise _step_error(f"{label}: {what} failed: {type(err).__name__}: {err}", [label]) from err
     if pending:
-        names = ", ".join(sorted(tasks[t] for t in pending))
-        raise EngineError(f"{names}: {what} did not finish within {timeout_s:.0f}s (dead or hung engine?)")
+        labels = sorted(tasks[t] for t in pending)
+        raise _step_error(f"{', '.join(labels)}: {what} did not finish within {timeout_s:.0f}s (dead or hung engine?)",
+                          labels)
     return [t.result() for t in tasks]
+
+
+def _step_error(message: str, parties: list[str]) -> EngineError:
+    err = EngineError(message)
+    err.parties = parties   # who failed or is still waiting (labels of run_all's calls)
+    return err
 
 
 def in_daemon_thread(fn, *args) -> asyncio.Future:
@@ -205,9 +212,26 @@ class BroadcastWeightSync(_PausingSync):
         calls = self._each(lambda e: e.update_weights_from_distributed(
             names, dtypes, shapes, self.group_name, version, flattened_bucket=True, flush_cache=False))
         calls[SENDER] = in_daemon_thread(_broadcast, flat, self.group)
-        await run_all(calls, f"weights {label} ({len(names)} tensors, {flat.numel()} bytes, version {version})",
-                      self.cfg.timeout_s)
+        what = f"weights {label} ({len(names)} tensors, {flat.numel()} bytes, version {version})"
+        try:
+            await run_all(calls, what, self.cfg.timeout_s)
+        except EngineError as err:
+            raise await self._blame(err, what) from err
         self.bytes_sent += flat.numel()
+
+    async def _blame(self, err: EngineError, what: str) -> EngineError:
+        """When only the sender's collective failed (gloo sees the peer's socket close before the dead
+        engine's HTTP call fails), probe every engine's health to name the one that died."""
+        if getattr(err, "parties", None) != [SENDER]:
+            return err
+        probe = min(10.0, self.cfg.timeout_s)
+        replies = await asyncio.gather(*(asyncio.wait_for(e.health(), probe) for e in self.engines),
+                                       return_exceptions=True)
+        dead = [e.name for e, ok in zip(self.engines, replies) if ok is not True]
+        if not dead:
+            return err
+        return _step_error(f"engine {', '.join(dead)}: {what} failed: the engine is unreachable "
+                           f"(the broadcast broke: {err})", [f"engine {n}" for n in dead])
 
     async def close(self) -> None:
         if self.group is None:

@@ -109,3 +109,37 @@ def test_sync_to_killed_server_names_it(tiny_model_dir):
 
     with pytest.raises(EngineError, match="killed-engine"):
         asyncio.run(scenario())
+
+
+def test_server_dying_mid_sync_is_named(tiny_model_dir):
+    """The server is killed between bucket 2 and bucket 3 of a push: the push fails with the engine's
+    name (its next update call is refused), the sender's blocked broadcast does not hold it up."""
+    from rollout.reference_server import launch_local
+    from rollout.sglang_client import SGLangEngine
+
+    srv = launch_local(tiny_model_dir, port=0, api_key="k", timeout_s=300)
+
+    class DyingEngine(SGLangEngine):
+        calls = 0
+
+        async def update_weights_from_distributed(self, *args, **kwargs):
+            DyingEngine.calls += 1
+            if DyingEngine.calls == 3:
+                srv.process.kill()
+                srv.process.wait(30)
+            await super().update_weights_from_distributed(*args, **kwargs)
+
+    async def scenario():
+        engine = DyingEngine(srv.url, api_key="k", name="dying-engine", control_timeout_s=30, weight_timeout_s=60)
+        try:
+            sync = BroadcastWeightSync(WeightSyncConfig(bucket_mb=0.05, timeout_s=60), [engine])
+            await sync.push(_new_weights(tiny_model_dir, 0.0), 1)
+        finally:
+            await engine.close()
+
+    try:
+        with pytest.raises(EngineError, match=r"engine dying-engine.*weights bucket 2"):
+            asyncio.run(scenario())
+    finally:
+        srv.stop()
+    assert DyingEngine.calls == 3
