@@ -260,7 +260,7 @@ def _launch_engine(recipe: Recipe, index: int, api_key: str, run_dir: Path):
     if rollout.engine == "reference":
         from rollout.reference_server import launch_local
 
-        return launch_local(recipe.model.path, host=rollout.host, port=port, api_key=api_key,
+        return launch_local(Path(recipe.model.path).resolve(), host=rollout.host, port=port, api_key=api_key,
                             log_path=run_dir / f"engine{index}.log", seed=recipe.run.seed + index)
     from rollout.sglang_launcher import launch_sglang
 
