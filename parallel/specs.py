@@ -205,5 +205,8 @@ def layer_spec(config, impl: str = "auto", vp_stage: Optional[int] = None):
     if getattr(config, "multi_latent_attention", False) and not use_te:
         raise SpecError("multi-latent attention (GLM-5-class) needs the Transformer Engine layer spec: "
                         "Megatron-Core 0.16.1's local DotProductAttention cannot run MLA; use a CUDA node with TE")
+    if config.context_parallel_size > 1 and not use_te:
+        raise SpecError(f"parallel.cp={config.context_parallel_size} needs the Transformer Engine layer spec "
+                        f"(the local attention asserts cp == 1): set parallel.cp = 1 on CPU")
     return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                       normalization="RMSNorm", vp_stage=vp_stage)

@@ -78,3 +78,11 @@ def test_mla_on_local_spec_is_one_line_error():
     cfg = specs.transformer_config(GLM5, ParallelDims())
     with pytest.raises(specs.SpecError, match="needs the Transformer Engine layer spec"):
         specs.layer_spec(cfg, "auto")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
+def test_context_parallel_on_local_spec_is_one_line_error(tiny_model_dir):
+    hf = json.loads((tiny_model_dir / "config.json").read_text())
+    cfg = specs.transformer_config(hf, ParallelDims(cp=2))
+    with pytest.raises(specs.SpecError, match=r"parallel.cp=2 needs the Transformer Engine layer spec"):
+        specs.layer_spec(cfg, "auto")
