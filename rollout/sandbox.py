@@ -1,7 +1,8 @@
 """Run untrusted Python (model-written code) in a limited subprocess.
 
 Layers, from the kernel up:
-- rlimits set in the child before exec: CPU seconds (RLIMIT_CPU -> SIGXCPU), address space
+- rlimits set by the child's guard before any user code runs (not in a preexec_fn, which can
+  deadlock in a threaded parent): CPU seconds (RLIMIT_CPU -> SIGXCPU), address space
   (RLIMIT_AS -> MemoryError), size of any written file (RLIMIT_FSIZE -> SIGXFSZ/EFBIG), open files,
   no core dumps; the child gets its own session so the whole process group is killed on timeout;
 - wall time: the parent kills the process group after ``wall_time_s``;
@@ -21,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -32,13 +32,21 @@ from pathlib import Path
 from typing import Optional
 
 GUARD = r'''
-import os, sys
+import os, resource, sys
+# limits first, before any user code: cpu_s, as_bytes, fsize_bytes, nofile
+CPU, AS, FSIZE, NOFILE = (int(x) for x in sys.argv[4].split(","))
+resource.setrlimit(resource.RLIMIT_CPU, (CPU, CPU + 1))
+resource.setrlimit(resource.RLIMIT_AS, (AS, AS))
+resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE, FSIZE))
+resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE, NOFILE))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 SCRATCH = os.path.realpath(sys.argv[1])
 READ_ROOTS = [SCRATCH] + sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
                                                               os.path.dirname(os.__file__))})
 NETWORK = sys.argv[3] == "1"
 BLOCKED = ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
-           "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "pty.spawn", "os.kill", "os.killpg")
+           "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "pty.spawn", "os.kill", "os.killpg",
+           "resource.setrlimit", "resource.prlimit")
 PATH_EVENTS = {"os.remove": (0,), "os.rmdir": (0,), "os.rename": (0, 1), "os.replace": (0, 1), "os.mkdir": (0,),
                "os.chmod": (0,), "os.chown": (0,), "os.link": (0, 1), "os.symlink": (0, 1), "os.truncate": (0,),
                "os.utime": (0,), "os.chdir": (0,), "shutil.rmtree": (0,), "shutil.move": (0, 1),
@@ -99,25 +107,30 @@ class SandboxResult:
 
 
 @functools.lru_cache(maxsize=1)
-def network_namespace_available() -> bool:
-    """Whether `unshare -n` works here (probed once per process)."""
+def network_namespace_command() -> list[str]:
+    """The prefix that runs a command in an empty network namespace here, or [] if none works.
+
+    `unshare -n` needs CAP_SYS_ADMIN (root); `unshare -rn` also maps the user to root inside a new
+    user namespace, which works unprivileged where user namespaces are enabled. Probed once.
+    """
     if not shutil.which("unshare"):
-        return False
-    try:
-        return subprocess.run(["unshare", "-n", "true"], capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+        return []
+    for prefix in (["unshare", "-n"], ["unshare", "-rn"]):
+        try:
+            if subprocess.run(prefix + ["true"], capture_output=True, timeout=10).returncode == 0:
+                return prefix
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+    return []
 
 
-def _set_limits(limits: SandboxLimits):
-    def apply():
-        mb = 1024 * 1024
-        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_time_s, limits.cpu_time_s + 1))
-        resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb * mb, limits.memory_mb * mb))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_size_mb * mb, limits.file_size_mb * mb))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    return apply
+def network_namespace_available() -> bool:
+    return bool(network_namespace_command())
+
+
+def _limit_arg(limits: SandboxLimits) -> str:
+    mb = 1024 * 1024
+    return f"{limits.cpu_time_s},{limits.memory_mb * mb},{limits.file_size_mb * mb},{limits.open_files}"
 
 
 def _which_limit(returncode: int, stderr: str, timed_out: bool) -> Optional[str]:
@@ -144,15 +157,14 @@ async def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> Sand
 async def _run_in(scratch: Path, code: str, limits: SandboxLimits) -> SandboxResult:
     (scratch / "_guard.py").write_text(GUARD)
     (scratch / "main.py").write_text(code)
-    isolate = not limits.network and network_namespace_available()
-    cmd = (["unshare", "-n"] if isolate else []) + [
-        sys.executable, "-I", str(scratch / "_guard.py"), str(scratch), str(scratch / "main.py"),
-        "1" if limits.network else "0"]
+    unshare = network_namespace_command() if not limits.network else []
+    cmd = unshare + [sys.executable, "-I", str(scratch / "_guard.py"), str(scratch), str(scratch / "main.py"),
+                     "1" if limits.network else "0", _limit_arg(limits)]
     with open(scratch / ".stdout", "wb") as out, open(scratch / ".stderr", "wb") as err:
         proc = await asyncio.create_subprocess_exec(
             *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err, cwd=scratch,
             env={"PATH": "/usr/bin:/bin", "HOME": str(scratch), "PYTHONDONTWRITEBYTECODE": "1"},
-            preexec_fn=_set_limits(limits), start_new_session=True)
+            start_new_session=True)
         timed_out = False
         try:
             await asyncio.wait_for(proc.wait(), limits.wall_time_s)
@@ -164,7 +176,8 @@ async def _run_in(scratch: Path, code: str, limits: SandboxLimits) -> SandboxRes
                 await proc.wait()
     stdout = _read_head(scratch / ".stdout", limits.max_output_bytes)
     stderr = _read_head(scratch / ".stderr", limits.max_output_bytes)
-    return SandboxResult(proc.returncode, stdout, stderr, _which_limit(proc.returncode, stderr, timed_out), isolate)
+    limit = _which_limit(proc.returncode, stderr, timed_out)
+    return SandboxResult(proc.returncode, stdout, stderr, limit, bool(unshare))
 
 
 def _kill_group(pid: int) -> None:

@@ -32,6 +32,7 @@ def test_runs_plain_code_with_stdlib_and_scratch_files():
     ("import os; os.system('true')", "os.system is not allowed"),
     ("import subprocess; subprocess.run(['true'])", "subprocess.Popen is not allowed"),
     ("import ctypes", "is not allowed"),
+    ("import resource; resource.setrlimit(resource.RLIMIT_CPU, (100, 100))", "resource.setrlimit is not allowed"),
 ])
 def test_file_process_and_ctypes_escapes_are_blocked(code, needle):
     r = run(code)
