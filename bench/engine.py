@@ -1,0 +1,130 @@
+"""Reference server tokens/s vs HF transformers `generate` on the same model and batch. `sao bench engine`.
+
+Setup: the tiny (quick) or small Qwen3-MoE from checkpoints/init_model.py, 32 requests with mixed
+prompt lengths and mixed output budgets (ignore_eos, so both sides produce exactly the budgets),
+temperature 1. The server gets all 32 at once over HTTP (client in this process, server in a child
+process, --max-batch 32); `generate` gets the same 32 prompts as one left-padded batch and must run
+to the longest budget. Useful tokens = sum of the 32 budgets on both sides; each side is timed after
+a warm-up, once (quick) or 3 times (median). ratio = server tokens/s / generate tokens/s (> 1: the server is faster). Both run
+back to back on the same cores with the same torch thread count.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+NUM_REQUESTS = 32
+
+
+def workload(quick: bool, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt, max_new_tokens) per request: prompts 8-64 tokens, budgets mixed 4x apart."""
+    rng = random.Random(seed)
+    low, high = (8, 32) if quick else (32, 128)
+    return [([rng.randrange(7, vocab) for _ in range(rng.randrange(8, 65))], rng.randrange(low, high + 1))
+            for _ in range(NUM_REQUESTS)]
+
+
+async def _server_run(url: str, api_key: str, jobs, repeats: int) -> list[float]:
+    import aiohttp
+
+    from rollout.engine import GenerateRequest
+    from rollout.sglang_client import generate_body
+
+    async def one(session, i, prompt, budget):
+        body = generate_body(GenerateRequest(rid=f"b{i}-{time.monotonic_ns()}", input_ids=prompt,
+                                             max_new_tokens=budget, seed=i, return_routed_experts=False))
+        body["sampling_params"]["ignore_eos"] = True
+        async with session.post(url + "/generate", json=body, timeout=aiohttp.ClientTimeout(total=1800)) as reply:
+            data = await reply.json()
+            if reply.status != 200 or len(data["output_ids"]) != budget:
+                raise RuntimeError(f"bench request {i} failed: HTTP {reply.status} {str(data)[:300]}")
+
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {api_key}"}) as session:
+        await one(session, -1, jobs[0][0], 4)                          # warm-up
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            await asyncio.gather(*(one(session, i, p, b) for i, (p, b) in enumerate(jobs)))
+            times.append(time.perf_counter() - start)
+        return times
+
+
+def _hf_generate_run(model_dir: str, jobs, repeats: int) -> list[float]:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad = model.config.pad_token_id or 0
+    width = max(len(p) for p, _ in jobs)
+    ids = torch.full((len(jobs), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, (prompt, _) in enumerate(jobs):          # left padding, as batched generation needs
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    longest = max(b for _, b in jobs)
+
+    def generate(new_tokens, rows):
+        with torch.no_grad():
+            out = model.generate(input_ids=ids[:rows], attention_mask=mask[:rows], do_sample=True, temperature=1.0,
+                                 top_p=1.0, top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 pad_token_id=pad)
+        if out.shape[1] != width + new_tokens:
+            raise RuntimeError(f"generate produced {out.shape[1] - width} tokens, expected {new_tokens}")
+
+    generate(4, 2)                                                     # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        generate(longest, len(jobs))
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def run(quick: bool = False, model_dir: str | None = None) -> dict:
+    import torch
+
+    from checkpoints.init_model import init_model
+    from rollout.reference_server import launch_local
+
+    preset, repeats = ("tiny", 1) if quick else ("small", 3)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = model_dir or str(init_model(Path(tmp) / preset, preset=preset, seed=0))
+        import transformers
+
+        vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
+        jobs = workload(quick, vocab)
+        threads = torch.get_num_threads()
+        server = launch_local(model_dir, api_key="bench", timeout_s=300,
+                              extra_args=["--max-batch", str(NUM_REQUESTS), "--threads", str(threads)])
+        try:
+            server_times = asyncio.run(_server_run(server.url, "bench", jobs, repeats))
+        finally:
+            server.stop()
+        hf_times = _hf_generate_run(model_dir, jobs, repeats)
+    server_s, hf_s = statistics.median(server_times), statistics.median(hf_times)
+    useful = sum(b for _, b in jobs)
+    server_tps, hf_tps = useful / server_s, useful / hf_s
+    ratio = server_tps / hf_tps
+    summary = (f"engine ({preset} model, {NUM_REQUESTS} requests, {useful} output tokens, {threads} threads): "
+               f"reference server {server_tps:.0f} tok/s vs HF generate {hf_tps:.0f} tok/s -> ratio {ratio:.2f}x")
+    return {"summary": summary, "model_preset": preset, "requests": NUM_REQUESTS, "useful_output_tokens": useful,
+            "prompt_lengths": [len(p) for p, _ in jobs], "output_budgets": [b for _, b in jobs],
+            "reference_server_s": server_times, "hf_generate_s": hf_times, "reference_server_tokens_per_s": server_tps,
+            "hf_generate_tokens_per_s": hf_tps, "ratio": ratio, "torch_threads": threads}
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--model", default=None, help="HF model dir (default: a fresh tiny/small Qwen3-MoE)")
+    args = parser.parse_args()
+    result = run(args.quick, args.model)
+    print(result["summary"])
+    print(json.dumps({k: v for k, v in result.items() if k != "summary"}, indent=1)[:2000])
