@@ -120,6 +120,11 @@ def non_expert_first(named: Iterable[tuple[str, torch.Tensor]]):
     yield from held
 
 
+async def _require_healthy(engine: Engine) -> None:
+    if await engine.health() is not True:
+        raise EngineError(f"engine {engine.name}: /health reports the engine unhealthy")
+
+
 def _broadcast(flat: torch.Tensor, group) -> None:
     import torch.distributed as dist
 
@@ -139,7 +144,7 @@ class _PausingSync(WeightSync):
 
     async def push(self, named_tensors, version: int) -> None:
         t = self.cfg.timeout_s
-        await run_all(self._each(lambda e: e.health()), "health check", t)
+        await run_all(self._each(_require_healthy), "health check", t)
         if self.manage_pause:
             await run_all(self._each(lambda e: e.pause(self.cfg.pause_mode)), f"pause({self.cfg.pause_mode})", t)
             await run_all(self._each(lambda e: e.flush_cache()), "flush_cache", t)

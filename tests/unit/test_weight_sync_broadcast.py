@@ -84,6 +84,18 @@ def test_dead_engine_is_named():
         asyncio.run(_closing([FakeEngine("alive"), FakeEngine("killed-7", dead=True)], scenario))
 
 
+def test_unhealthy_engine_is_named():
+    class Unhealthy(FakeEngine):
+        async def health(self) -> bool:
+            return False
+
+    async def scenario(engines):
+        await BroadcastWeightSync(WeightSyncConfig(timeout_s=5), engines).push(_named(), version=1)
+
+    with pytest.raises(EngineError, match="engine sick: health check failed: .*unhealthy"):
+        asyncio.run(_closing([Unhealthy("sick")], scenario))
+
+
 def test_hung_engine_times_out_naming_it():
     async def scenario(engines):
         sync = BroadcastWeightSync(WeightSyncConfig(timeout_s=60), engines)
