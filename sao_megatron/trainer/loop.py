@@ -54,6 +54,7 @@ class Trainer:
                         self.version += 1
                 self.step += 1
                 stats["perf/step_time_s"] = time.perf_counter() - started
+                stats |= await self.services.maybe_evaluate(self.step)
                 self.services.log(stats, self.step)
                 await self.services.maybe_checkpoint(self.step, final=self.step == self.total)
         finally:

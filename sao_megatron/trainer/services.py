@@ -146,6 +146,15 @@ class Services:
 
             await check_weight_update_equal(self.engines, self.policy.export_hf())
 
+    async def maybe_evaluate(self, step: int) -> dict:
+        """eval/<set>/avg@k and pass@k on the engines' current weights, every eval.interval steps."""
+        cfg = self.recipe.eval
+        if not (self.is_driver and cfg.interval and cfg.datasets and step % cfg.interval == 0 and self.engines):
+            return {}
+        from sao_megatron.evaluation.runner import evaluate_all
+
+        return await evaluate_all(self.engines, self.tokenizer, cfg, self.recipe.rollout, seed=self.recipe.run.seed)
+
     def log(self, metrics: dict, step: int) -> None:
         if self.sink is None:
             return
