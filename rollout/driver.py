@@ -414,9 +414,9 @@ class RolloutDriver:
     def state_dict(self) -> dict:
         """Everything to resume without losing or duplicating a prompt: in-flight samples are saved
         as they were after their last committed engine result and restart from there."""
-        work = list(self._active.values()) + list(self._pending)
+        work = [_work_state(s) for s in list(self._active.values()) + list(self._pending)]
         return {"prompt_source": self.prompt_source.state_dict(), "buffer": self.buffer.state_dict(),
-                "work": [copy.deepcopy(s.to_dict()) for s in work], "counts": dict(self.counts),
+                "work": work, "counts": dict(self.counts),
                 "dropped_stale": self.stats.dropped, "current_version": self._current_version}
 
     def load_state_dict(self, state: dict) -> None:
@@ -428,6 +428,15 @@ class RolloutDriver:
         self.counts.update(state["counts"])
         self.stats.dropped = state["dropped_stale"]
         self._current_version = state["current_version"]
+
+
+def _work_state(sample: Sample) -> dict:
+    """A sample still being generated, without its routes: its continuation's engine call returns
+    routes for the whole prefix again, and they are the largest part of a checkpoint."""
+    state = copy.deepcopy(sample.to_dict())
+    if sample.status in (SampleStatus.PENDING, SampleStatus.ABORTED):
+        state.pop("routed_experts", None)
+    return state
 
 
 async def _cancel_all(tasks: list[asyncio.Task]) -> None:
