@@ -430,3 +430,48 @@ def test_online_environment_phase_follows_the_trainer_version():
     for s in seen:      # scored by the rule of the phase at the trainer step when it finished
         assert s.reward_info["env_phase"] == (s.metadata["env_step"] // 2) % 3
     assert {s.reward_info["env_phase"] for s in seen} == {0, 1, 2}
+
+
+def test_group_mode_stale_groups_are_regenerated_whole():
+    cfg = make_cfg(mode="group", n_samples_per_prompt=2, batch_size=4, staleness_bound=0, stale_policy="regenerate")
+    eng = engines(2, token_time_s=0.002)
+
+    async def main():
+        d = make_driver(eng, cfg)
+        await d.start()
+        await d.get_batch(4, 0)
+        await asyncio.sleep(0.1)                       # more groups finish at version 0
+        async with d.weight_update("in_place", 1):
+            for e in eng:
+                e.version = 1
+        batch = await d.get_batch(4, 1) + await d.get_batch(4, 1)
+        dropped = d.stats.dropped
+        await d.stop()
+        return batch, dropped
+
+    batch, dropped = asyncio.run(main())
+    assert dropped > 0 and dropped % 2 == 0           # whole groups
+    groups = {}
+    for s in batch:
+        groups.setdefault(s.group_id, []).append(s)
+        assert set(s.weight_versions) == {1}
+    assert all(len(g) == 2 for g in groups.values())
+
+
+def test_dynamic_sampling_filter_drops_zero_variance_groups():
+    from rollout.buffer import nonzero_reward_variance
+    cfg = make_cfg(mode="group", n_samples_per_prompt=2, batch_size=4)
+
+    def reward(sample):                                # prompts with an even index: both members equal
+        return 1.0 if sample.prompt_index % 2 == 0 else float(sample.uid.endswith("-0"))
+
+    async def main():
+        d = make_driver(engines(2), cfg, reward_fn=reward, filters=[nonzero_reward_variance])
+        await d.start()
+        batch = await d.get_batch(4, 0)
+        filtered = d.metrics()["rollout/dropped_filtered"]
+        await d.stop()
+        return batch, filtered
+
+    batch, filtered = asyncio.run(main())
+    assert all(s.prompt_index % 2 == 1 for s in batch) and filtered >= 4
