@@ -6,7 +6,8 @@ combines micro-batch metrics with ``combine_metrics``. Formulas and sources: doc
 """
 from .advantages import (broadcast_to_tokens, compute_gae, drgrpo_advantages, dynamic_sampling_filter,
                          grpo_advantages, group_stats, length_adaptive_lambda, overlong_penalty, place_scalar_reward,
-                         reinforce_pp_advantages, reinforce_pp_baseline_advantages, rloo_advantages, whiten)
+                         reinforce_pp_advantages, reinforce_pp_baseline_advantages, rloo_advantages,
+                         running_mean_advantages, whiten)
 from .aggregation import AGG_MODES, Aggregation, aggregate_loss, combine_metrics, finalize_metrics
 from .compose import compute_advantages, compute_policy_loss
 from .corrections import CORRECTIONS, correction_weights
@@ -20,7 +21,7 @@ __all__ = [
     "compute_policy_loss", "compute_advantages", "compute_value_loss", "combine_metrics", "finalize_metrics",
     "dis_loss", "ppo_clip_loss", "gspo_loss", "gspo_token_loss", "cispo_loss", "policy_gradient_loss",
     "compute_gae", "length_adaptive_lambda", "place_scalar_reward", "grpo_advantages", "drgrpo_advantages",
-    "rloo_advantages", "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "whiten", "group_stats",
+    "rloo_advantages", "running_mean_advantages", "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "whiten", "group_stats",
     "broadcast_to_tokens", "dynamic_sampling_filter", "overlong_penalty", "Aggregation", "aggregate_loss",
     "AGG_MODES", "correction_weights", "CORRECTIONS", "kl_estimate", "kl_loss_term", "kl_penalty",
     "apply_kl_penalty", "KL_ESTIMATORS", "POLICY_LOSSES", "ADVANTAGE_ESTIMATORS", "AdvantageBatch",

@@ -143,6 +143,21 @@ def reinforce_pp_baseline_advantages(seq_rewards: torch.Tensor, group_ids: torch
     return whiten(broadcast_to_tokens(drgrpo_advantages(seq_rewards, group_ids), mask), mask)
 
 
+def running_mean_advantages(seq_rewards: torch.Tensor, baseline: float | None,
+                            momentum: float) -> tuple[torch.Tensor, float]:
+    """REINFORCE with a running-mean baseline (the SAO paper's online-learning comparison).
+
+    A_i = r_i - b_prev;  b_new = momentum * b_prev + (1 - momentum) * mean_i r_i.
+    b_prev is the baseline before this batch (the batch mean when there is none yet), so a sample's
+    advantage never depends on its own reward through the baseline after the first step.
+    Returns (seq advantages [B], b_new).
+    """
+    rewards = seq_rewards.to(torch.float32)
+    batch_mean = float(rewards.mean()) if rewards.numel() else 0.0
+    previous = batch_mean if baseline is None else float(baseline)
+    return rewards - previous, momentum * previous + (1.0 - momentum) * batch_mean
+
+
 def broadcast_to_tokens(seq_values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``[B]`` -> ``[B, T]``: the sequence value on each action token, 0 elsewhere."""
     keep = mask > 0

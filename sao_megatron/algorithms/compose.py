@@ -74,7 +74,8 @@ def _entropy_term(cfg, inputs, agg, keep, metrics) -> torch.Tensor:
 
 @torch.no_grad()
 def compute_advantages(cfg, *, token_rewards: torch.Tensor, mask: torch.Tensor, values: Optional[torch.Tensor] = None,
-                       seq_rewards: torch.Tensor, group_ids: torch.Tensor, response_lengths: torch.Tensor):
+                       seq_rewards: torch.Tensor, group_ids: torch.Tensor, response_lengths: torch.Tensor,
+                       baseline: Optional[float] = None):
     """Advantages for one step -> (advantages [B, T], returns [B, T] or None, metrics).
 
     'gae': decoupled lambda -- policy advantages with cfg.lambda_actor, or the length-adaptive
@@ -83,7 +84,8 @@ def compute_advantages(cfg, *, token_rewards: torch.Tensor, mask: torch.Tensor, 
     added to seq_rewards and to the reward on each row's last action token first. Metrics: adv_mean,
     adv_std, adv_max, adv_min (over action tokens), reward_mean, return_mean (gae), lambda_actor_mean
     (gae), overlong_penalty_mean (if on), ds_keep_frac (if cfg.dynamic_sampling: share of samples whose
-    group has a reward spread; the buffer drops the rest with dynamic_sampling_filter).
+    group has a reward spread; the buffer drops the rest with dynamic_sampling_filter), running_baseline
+    ('running_mean': the baseline the caller passes as `baseline` next step).
     """
     _check_advantage_inputs(token_rewards, mask, values, seq_rewards, group_ids, response_lengths)
     metrics = {}
@@ -92,7 +94,7 @@ def compute_advantages(cfg, *, token_rewards: torch.Tensor, mask: torch.Tensor, 
         seq_rewards = seq_rewards.to(torch.float32) + penalty
         token_rewards = token_rewards.to(torch.float32) + place_scalar_reward(penalty, mask)
         metrics["overlong_penalty_mean"] = float(penalty.mean())
-    batch = AdvantageBatch(token_rewards, mask, values, seq_rewards, group_ids, response_lengths)
+    batch = AdvantageBatch(token_rewards, mask, values, seq_rewards, group_ids, response_lengths, baseline)
     advantages, returns, extra = get_advantage_estimator(cfg.advantage or cfg.name)(cfg, batch)
     metrics.update(extra)
     metrics.update(_advantage_metrics(advantages, returns, mask, seq_rewards))

@@ -61,6 +61,7 @@ class AdvantageBatch:
     seq_rewards: torch.Tensor        # [B]
     group_ids: torch.Tensor          # [B] long
     response_lengths: torch.Tensor   # [B] action-token counts
+    baseline: Optional[float] = None # running-mean baseline before this batch (estimator 'running_mean')
 
 
 def _gae(cfg, batch: AdvantageBatch):
@@ -94,10 +95,15 @@ def _reinforce_pp_baseline(cfg, batch: AdvantageBatch):
     return adv.reinforce_pp_baseline_advantages(batch.seq_rewards, batch.group_ids, batch.mask), None, {}
 
 
+def _running_mean(cfg, batch: AdvantageBatch):
+    seq_adv, baseline = adv.running_mean_advantages(batch.seq_rewards, batch.baseline, cfg.baseline_momentum)
+    return adv.broadcast_to_tokens(seq_adv, batch.mask), None, {"running_baseline": baseline}
+
+
 _ESTIMATORS: dict[str, Callable] = {
     "gae": _gae, "grpo": _group(adv.grpo_advantages), "drgrpo": _group(adv.drgrpo_advantages),
     "rloo": _group(adv.rloo_advantages), "reinforce_pp": _reinforce_pp,
-    "reinforce_pp_baseline": _reinforce_pp_baseline,
+    "reinforce_pp_baseline": _reinforce_pp_baseline, "running_mean": _running_mean,
 }
 
 

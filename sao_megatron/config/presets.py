@@ -35,8 +35,11 @@ PRESETS: dict[str, dict] = {
              "algorithm.eps_high": 0.2, **_GROUP},
     "reinforce_pp": {"algorithm.loss": "ppo", "algorithm.advantage": "reinforce_pp", "algorithm.eps_low": 0.2,
                      "algorithm.eps_high": 0.2, "critic.enabled": False},
+    # REINFORCE with a running-mean baseline: the online-learning comparison of the SAO paper.
+    "running_mean": {"algorithm.loss": "ppo", "algorithm.advantage": "running_mean", "algorithm.eps_low": 0.2,
+                     "algorithm.eps_high": 0.2, "rollout.mode": "single", "critic.enabled": False},
 }
 
 GROUP_ADVANTAGES = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")
 LOSSES = ("dis", "ppo", "gspo", "gspo_token", "cispo")
-ADVANTAGES = ("gae",) + GROUP_ADVANTAGES + ("reinforce_pp",)
+ADVANTAGES = ("gae",) + GROUP_ADVANTAGES + ("reinforce_pp", "running_mean")

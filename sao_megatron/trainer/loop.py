@@ -28,6 +28,7 @@ class Trainer:
         self.services = services
         self.step = 0                     # iterations done (critic warm-up included)
         self.version = 0                  # weight version the engines serve
+        self.baseline = None              # running-mean reward baseline (advantage 'running_mean')
         self.warmup = recipe.critic.warmup_steps if recipe.critic.enabled else 0
         self.total = self.warmup + recipe.run.num_steps
         self.trains = recipe.run.debug != "rollout-only"   # rollout-only: collect and save, never update
@@ -71,7 +72,8 @@ class Trainer:
             seq_values = _rows_by_uid(probe, await self.on_model_thread(self.services.critic.compute_values, probe))
             seq_values = [seq_values[s.uid] for s in samples]
         advantages, returns, values, metrics = steps.compute_step_advantages(self.recipe.algorithm, samples, resp,
-                                                                            seq_values)
+                                                                            seq_values, self.baseline)
+        self.baseline = metrics.get("running_baseline", self.baseline)
         batches = build_train_batches(samples, advantages, returns, self.recipe.parallel.micro_batch_tokens)
         if values is not None:
             _attach_old_values(batches, samples, values)

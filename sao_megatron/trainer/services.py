@@ -212,10 +212,11 @@ class _TrainerState:
         self.trainer = trainer
 
     def state_dict(self) -> dict:
-        return {"step": self.trainer.step, "version": self.trainer.version}
+        return {"step": self.trainer.step, "version": self.trainer.version, "baseline": self.trainer.baseline}
 
     def load_state_dict(self, state: dict) -> None:
         self.trainer.step, self.trainer.version = int(state["step"]), int(state["version"])
+        self.trainer.baseline = state.get("baseline")
 
 
 class _RngState:

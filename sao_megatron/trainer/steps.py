@@ -10,7 +10,7 @@ from .batching import ResponseTensors, to_response_space
 
 
 def compute_step_advantages(cfg: AlgorithmConfig, samples: list[Sample], resp: ResponseTensors,
-                            seq_values: list[torch.Tensor] | None):
+                            seq_values: list[torch.Tensor] | None, baseline: float | None = None):
     """Advantages [B, R] and critic returns [B, R] (or None) for one batch of samples."""
     from sao_megatron.algorithms import compute_advantages
 
@@ -19,7 +19,7 @@ def compute_step_advantages(cfg: AlgorithmConfig, samples: list[Sample], resp: R
         values = to_response_space(samples, seq_values, resp.mask.shape[1]) * resp.mask
     advantages, returns, metrics = compute_advantages(
         cfg, token_rewards=resp.token_rewards, mask=resp.mask, values=values, seq_rewards=resp.seq_rewards,
-        group_ids=resp.group_ids, response_lengths=resp.action_lengths)
+        group_ids=resp.group_ids, response_lengths=resp.action_lengths, baseline=baseline)
     return advantages, returns, values, metrics
 
 

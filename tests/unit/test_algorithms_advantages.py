@@ -142,3 +142,30 @@ def test_gae_matches_direct_definition_on_a_long_random_batch():
         for j, t in enumerate(idx):
             direct = sum((gamma * lam) ** k * deltas[j + k] for k in range(len(idx) - j))
             assert math.isclose(float(adv[i, t]), direct, abs_tol=1e-4)
+
+
+def test_running_mean_baseline_hand_values():
+    from sao_megatron.algorithms import running_mean_advantages
+
+    # first batch: no baseline yet -> b_prev = mean([1, 0, 0, 1]) = 0.5; A = r - 0.5;
+    # b_new = 0.9 * 0.5 + 0.1 * 0.5 = 0.5
+    adv, b = running_mean_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), None, 0.9)
+    assert adv.tolist() == [0.5, -0.5, -0.5, 0.5] and b == pytest.approx(0.5)
+    # next batch all 1: A = 1 - 0.5 = 0.5 each; b = 0.9 * 0.5 + 0.1 * 1 = 0.55
+    adv, b = running_mean_advantages(torch.tensor([1.0, 1.0]), b, 0.9)
+    assert adv.tolist() == [0.5, 0.5] and b == pytest.approx(0.55)
+
+
+def test_running_mean_estimator_through_compute_advantages():
+    from sao_megatron.algorithms import compute_advantages
+    from sao_megatron.config import AlgorithmConfig
+
+    cfg = AlgorithmConfig(name="running_mean", loss="ppo", advantage="running_mean", eps_low=0.2, eps_high=0.2)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    rewards = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    adv, returns, metrics = compute_advantages(cfg, token_rewards=rewards, mask=mask, seq_rewards=torch.tensor([1.0, 0.0]),
+                                               group_ids=torch.tensor([0, 1]), response_lengths=torch.tensor([2.0, 1.0]),
+                                               baseline=0.25)
+    # A = r - 0.25 on action tokens only; b_new = 0.9 * 0.25 + 0.1 * 0.5 = 0.275
+    assert adv.tolist() == [[0.75, 0.75, 0.0], [-0.25, 0.0, 0.0]]
+    assert returns is None and metrics["running_baseline"] == pytest.approx(0.275)
