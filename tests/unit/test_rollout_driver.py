@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -338,7 +339,7 @@ def test_resume_from_state_dict_mid_flight_loses_and_duplicates_nothing():
         await d.start()
         out = await d.get_batch(8, 0)
         await asyncio.sleep(0.01)
-        state = d.state_dict()
+        state = json.loads(json.dumps(d.state_dict()))   # checkpoints store it as JSON
         assert state["work"]                             # some samples are in flight
         await d.stop()
         return out, state
