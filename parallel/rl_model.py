@@ -209,11 +209,18 @@ def _setup_groups(recipe, shape) -> ParallelDims:
     from .distributed import init_distributed, init_model_parallel, single_process_port
 
     single_process_port()
-    init_distributed(recipe.weight_sync.backend if recipe.weight_sync.backend != "auto" else "auto")
+    init_distributed("auto")
     world = torch.distributed.get_world_size()
     dims = ParallelDims.from_config(recipe.parallel, world).validate(world, shape)
     if not parallel_state.model_parallel_is_initialized():
         init_model_parallel(dims, seed=recipe.run.seed)
+        return dims
+    live = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size())
+    if live != (dims.tp, dims.pp, dims.ep):
+        raise ValueError(f"Megatron groups already exist with tp,pp,ep={live} but this model wants "
+                         f"{(dims.tp, dims.pp, dims.ep)}; policy and critic share one layout "
+                         f"(call parallel.distributed.teardown_model_parallel() to switch)")
     return dims
 
 
