@@ -89,12 +89,20 @@ class Services:
         self.engines, self.engine_handles = await start_engines(recipe, self.run_dir)
         source = build_prompt_source(rollout, self.tokenizer, seed=recipe.run.seed,
                                      switch_every=rollout.env_switch_every)
+        filters = []
+        if recipe.algorithm.dynamic_sampling:  # DAPO: drop groups whose rewards are all equal
+            from rollout.buffer import nonzero_reward_variance
+
+            filters.append(nonzero_reward_variance)
         self.driver = RolloutDriver(self.engines, source, resolve_reward_fn(rollout), rollout, self.tokenizer,
-                                    seed=recipe.run.seed)
+                                    seed=recipe.run.seed, filters=filters)
         if recipe.run.debug != "rollout-only":
             from checkpoints.weight_sync import build_weight_sync
 
-            self.weight_sync = build_weight_sync(recipe.weight_sync, self.engines, run_dir=self.run_dir)
+            # The driver pauses and resumes the engines around each sync (it tracks in-flight requests).
+            extra = {"aux_from": recipe.model.path} if recipe.weight_sync.method == "disk" else {}
+            self.weight_sync = build_weight_sync(recipe.weight_sync, self.engines, run_dir=self.run_dir,
+                                                 manage_pause=False, **extra)
 
     def _build_sink(self):
         from sao_megatron.metrics import build_metric_sink
@@ -169,7 +177,8 @@ class Services:
 
         if self.recipe.checkpoint.save_on_signal:
             install_preemption_handlers()
-        self.checkpointer = RunCheckpointer(self.run_dir / "checkpoints", keep_last=self.recipe.checkpoint.keep_last)
+        self.checkpointer = RunCheckpointer(self.run_dir / "checkpoints", keep_last=self.recipe.checkpoint.keep_last,
+                                            rank=self.rank, world_size=self.world_size)
 
     def _components(self) -> dict:
         parts = {"policy": self.policy, "trainer": _TrainerState(self.trainer), "rng": _RngState()}
@@ -204,7 +213,8 @@ class Services:
     def preemption_requested(self) -> bool:
         from checkpoints.preemption import should_checkpoint_and_exit
 
-        return should_checkpoint_and_exit()
+        # With several ranks a signal may reach only some of them: agree, so all stop at the same step.
+        return should_checkpoint_and_exit(sync=self.world_size > 1)
 
 
 class _TrainerState:
