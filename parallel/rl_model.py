@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Callable, Iterator, Mapping, Optional
+from typing import Callable, Iterator, Mapping
 
 import torch
 
