@@ -13,6 +13,7 @@ sum(numel * itemsize). This is SGLang's FlattenedTensorBucket layout.
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -69,7 +70,14 @@ def create_sender_group(master_address: str, master_port: int, world_size: int, 
 
     timeout = datetime.timedelta(seconds=timeout_s)
     url = f"tcp://{master_address}:{master_port}"
-    store, rank, world = next(c10d.rendezvous(url, 0, world_size, timeout=timeout))
+    # Under torchrun, TORCHELASTIC_USE_AGENT_STORE makes every rendezvous a client of the agent's store;
+    # this group is ours, so rank 0 must host its own store whatever launched the trainer.
+    agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        store, rank, world = next(c10d.rendezvous(url, 0, world_size, timeout=timeout))
+    finally:
+        if agent_store is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
     store.set_timeout(timeout)
     group, _ = c10d._new_process_group_helper(world, rank, [], c10d.Backend(backend),
                                               c10d.PrefixStore(group_name, store),
