@@ -117,6 +117,15 @@ def single_process_port() -> None:
         os.environ["MASTER_PORT"] = str(free_port())
 
 
+def data_parallel_coords() -> tuple[int, int]:
+    """(rank, size) of this rank's data-parallel group; (0, 1) before Megatron's groups exist."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+
 def comm_device() -> torch.device:
     """Where small tensors for collectives must live: the GPU under nccl, else the CPU."""
     if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":

@@ -118,3 +118,36 @@ def build_train_batches(samples: list[Sample], advantages: torch.Tensor, returns
     return [build_train_batch(samples, advantages, returns, group, global_num_tokens=float(mask_tokens),
                               global_num_seqs=float(seqs), with_routes=with_routes)
             for group in plan_micro_batches(samples, token_budget)]
+
+
+def split_rows(batch: TrainBatch, parts: int) -> list[TrainBatch]:
+    """Split one micro-batch by rows into up to `parts` micro-batches (global counts unchanged)."""
+    import dataclasses
+
+    bounds = torch.linspace(0, batch.num_rows, min(parts, batch.num_rows) + 1).round().long().tolist()
+    out = []
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        fields = {}
+        for f in dataclasses.fields(batch):
+            value = getattr(batch, f.name)
+            if isinstance(value, torch.Tensor):
+                value = value[start:stop]
+            elif isinstance(value, list):
+                value = value[start:stop]
+            fields[f.name] = value
+        out.append(TrainBatch(**fields))
+    return out
+
+
+def shard_for_data_parallel(batches: list[TrainBatch], dp_rank: int, dp_size: int) -> list[TrainBatch]:
+    """This DP rank's micro-batches: every rank gets at least one (the largest are split by rows)."""
+    if dp_size == 1:
+        return batches
+    batches = list(batches)
+    while len(batches) < dp_size:
+        largest = max(range(len(batches)), key=lambda i: batches[i].num_rows)
+        if batches[largest].num_rows < 2:
+            raise ValueError(f"{sum(b.num_rows for b in batches)} samples cannot feed {dp_size} data-parallel "
+                             "ranks; fix: raise rollout.batch_size to at least the data-parallel size")
+        batches[largest:largest + 1] = split_rows(batches[largest], 2)
+    return batches[dp_rank::dp_size]

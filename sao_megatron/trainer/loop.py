@@ -86,7 +86,7 @@ class Trainer:
         loss_fn = steps.value_loss_fn(self.recipe.critic)
         stats = {}
         for _ in range(self.recipe.critic.updates_per_step):   # two-timescale: K critic updates
-            stats = await self.on_model_thread(critic.train_step, batches, loss_fn)
+            stats = await self.on_model_thread(critic.train_step, self.services.my_share(batches), loss_fn)
         return steps.prefixed("critic", stats)
 
     async def update_policy(self, batches) -> dict:
@@ -98,7 +98,7 @@ class Trainer:
         stats = {}
         for part in _split(batches, algo.mini_batches):
             _rescale(part)
-            stats = await self.on_model_thread(policy.train_step, part, loss_fn)
+            stats = await self.on_model_thread(policy.train_step, self.services.my_share(part), loss_fn)
         return steps.prefixed("train", stats)
 
     async def pretrain_value_model(self) -> None:

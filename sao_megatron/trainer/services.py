@@ -129,6 +129,14 @@ class Services:
                 RolloutDumper(self.run_dir / "rollouts").write(self.trainer.step, samples)
         return _share(samples, self.world_size)
 
+    def my_share(self, batches):
+        """The micro-batches this data-parallel rank trains on (forward-only passes see them all)."""
+        from parallel.distributed import data_parallel_coords
+
+        from .batching import shard_for_data_parallel
+
+        return shard_for_data_parallel(batches, *data_parallel_coords())
+
     async def sync_weights(self, version: int) -> dict:
         """Broadcast the new policy weights to every engine under `version`, engines paused meanwhile."""
         if self.recipe.run.debug != "none":

@@ -1,6 +1,7 @@
 """Samples -> response tensors -> packed micro-batches: alignment, reward placement, token budget."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sao_megatron.records import Sample, SampleStatus
@@ -64,3 +65,18 @@ def test_micro_batches_respect_token_budget_and_keep_every_sample():
     assert all(b.global_num_tokens == sum(n - 1 for n in lengths) for b in batches)
     assert sum(b.num_rows for b in batches) == 8
     assert all(b.routed_experts is None for b in batches)
+
+
+def test_data_parallel_shards_cover_every_row_once():
+    from sao_megatron.trainer.batching import shard_for_data_parallel
+
+    samples = [_sample(str(i), [1], [2] * 3, routes=False) for i in range(5)]
+    batches = build_train_batches(samples, torch.zeros(5, 3), None, token_budget=1000)
+    assert len(batches) == 1  # everything fits one micro-batch: DP must split it by rows
+    shards = [shard_for_data_parallel(batches, rank, 2) for rank in range(2)]
+    uids = [uid for shard in shards for b in shard for uid in b.sample_uids]
+    assert sorted(uids) == sorted(s.uid for s in samples)
+    assert all(b.global_num_tokens == 15.0 for shard in shards for b in shard)
+    assert all(b.tokens.shape[0] == len(b.sample_uids) == b.advantages.shape[0] for shard in shards for b in shard)
+    with pytest.raises(ValueError, match="rollout.batch_size"):
+        shard_for_data_parallel(build_train_batches(samples[:1], torch.zeros(1, 3), None, 1000), 0, 2)
