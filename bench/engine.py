@@ -4,9 +4,9 @@ Setup: the tiny (quick) or small Qwen3-MoE from checkpoints/init_model.py, 32 re
 prompt lengths and mixed output budgets (ignore_eos, so both sides produce exactly the budgets),
 temperature 1. The server gets all 32 at once over HTTP (client in this process, server in a child
 process, --max-batch 32); `generate` gets the same 32 prompts as one left-padded batch and must run
-to the longest budget. Useful tokens = sum of the 32 budgets on both sides; each side is timed after
-a warm-up, once (quick) or 3 times (median). ratio = server tokens/s / generate tokens/s (> 1: the server is faster). Both run
-back to back on the same cores with the same torch thread count.
+to the longest budget. Useful tokens = sum of the 32 budgets on both sides. After a warm-up the two
+sides are timed alternately, 2 (quick) or 3 times each, and the medians are compared. ratio = server tokens/s / generate tokens/s (> 1: the server is faster). Both run
+alternately on the same machine with one torch thread each.
 """
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ NUM_REQUESTS = 32
 
 
 def workload(quick: bool, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
-    """(prompt, max_new_tokens) per request: prompts 8-64 tokens, budgets mixed 4x apart."""
+    """(prompt, max_new_tokens) per request: prompts 8-64 tokens, budgets 8-64 (quick) or 16-256."""
     rng = random.Random(seed)
-    low, high = (8, 32) if quick else (32, 128)
+    low, high = (8, 64) if quick else (16, 256)
     return [([rng.randrange(7, vocab) for _ in range(rng.randrange(8, 65))], rng.randrange(low, high + 1))
             for _ in range(NUM_REQUESTS)]
 
 
-async def _server_run(url: str, api_key: str, jobs, repeats: int) -> list[float]:
+async def _server_run(url: str, api_key: str, jobs, warmup: bool) -> float:
     import aiohttp
 
     from rollout.engine import GenerateRequest
@@ -44,16 +44,15 @@ async def _server_run(url: str, api_key: str, jobs, repeats: int) -> list[float]
                 raise RuntimeError(f"bench request {i} failed: HTTP {reply.status} {str(data)[:300]}")
 
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {api_key}"}) as session:
-        await one(session, -1, jobs[0][0], 4)                          # warm-up
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            await asyncio.gather(*(one(session, i, p, b) for i, (p, b) in enumerate(jobs)))
-            times.append(time.perf_counter() - start)
-        return times
+        if warmup:
+            await one(session, -1, jobs[0][0], 4)
+        start = time.perf_counter()
+        await asyncio.gather(*(one(session, i, p, b) for i, (p, b) in enumerate(jobs)))
+        return time.perf_counter() - start
 
 
-def _hf_generate_run(model_dir: str, jobs, repeats: int) -> list[float]:
+def _hf_generate(model_dir: str, jobs):
+    """A function that runs HF `generate` on the whole batch once and returns its seconds."""
     import torch
     import transformers
 
@@ -76,12 +75,12 @@ def _hf_generate_run(model_dir: str, jobs, repeats: int) -> list[float]:
             raise RuntimeError(f"generate produced {out.shape[1] - width} tokens, expected {new_tokens}")
 
     generate(4, 2)                                                     # warm-up
-    times = []
-    for _ in range(repeats):
+
+    def timed() -> float:
         start = time.perf_counter()
         generate(longest, len(jobs))
-        times.append(time.perf_counter() - start)
-    return times
+        return time.perf_counter() - start
+    return timed
 
 
 def run(quick: bool = False, model_dir: str | None = None) -> dict:
@@ -90,21 +89,29 @@ def run(quick: bool = False, model_dir: str | None = None) -> dict:
     from checkpoints.init_model import init_model
     from rollout.reference_server import launch_local
 
-    preset, repeats = ("tiny", 1) if quick else ("small", 3)
+    preset, repeats = ("tiny", 2) if quick else ("small", 3)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = model_dir or str(init_model(Path(tmp) / preset, preset=preset, seed=0))
         import transformers
 
         vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
         jobs = workload(quick, vocab)
-        threads = torch.get_num_threads()
+        # one torch thread on each side: on a shared CPU box, OpenMP teams of 2+ threads stall
+        # whenever a neighbour takes a core, which swung 2-thread timings 10x between runs
+        threads = 1
+        previous_threads = torch.get_num_threads()
+        torch.set_num_threads(threads)
         server = launch_local(model_dir, api_key="bench", timeout_s=300,
                               extra_args=["--max-batch", str(NUM_REQUESTS), "--threads", str(threads)])
+        server_times, hf_times = [], []
         try:
-            server_times = asyncio.run(_server_run(server.url, "bench", jobs, repeats))
+            hf_run = _hf_generate(model_dir, jobs)
+            for i in range(repeats):   # interleaved, so a busy neighbour slows both sides alike
+                server_times.append(asyncio.run(_server_run(server.url, "bench", jobs, warmup=i == 0)))
+                hf_times.append(hf_run())
         finally:
             server.stop()
-        hf_times = _hf_generate_run(model_dir, jobs, repeats)
+            torch.set_num_threads(previous_threads)
     server_s, hf_s = statistics.median(server_times), statistics.median(hf_times)
     useful = sum(b for _, b in jobs)
     server_tps, hf_tps = useful / server_s, useful / hf_s

@@ -9,6 +9,7 @@ so a trainer evaluating ``log_softmax(logits / T)`` on the same weights gets rat
 truncations only decide which tokens may be drawn: top-k keeps the k largest probabilities, top-p
 keeps the smallest prefix of the sorted distribution whose mass reaches p (always >= 1 token), min-p
 drops tokens below ``min_p * max_prob``; the kept probabilities are renormalised and sampled.
+Ties at the top-k boundary are broken by sort order.
 """
 from __future__ import annotations
 
@@ -47,27 +48,52 @@ def scaled_logprobs(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.T
     return torch.log_softmax(logits.float() / temp[:, None], dim=-1)
 
 
+def keep_mask(sorted_probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[rows, vocab] probabilities sorted descending -> bool mask of the tokens each row may draw.
+
+    top-k keeps ranks < k; top-p keeps a sorted token while the kept mass before it is below
+    ``top_p * (mass kept by top-k)`` (so the first token always stays); min-p keeps tokens with
+    ``p >= min_p * p_max``.
+    """
+    rows, vocab = sorted_probs.shape
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+    top_p = torch.tensor([p.top_p for p in params], dtype=sorted_probs.dtype)
+    min_p = torch.tensor([p.min_p for p in params], dtype=sorted_probs.dtype)
+    keep = torch.arange(vocab)[None, :] < top_k[:, None]
+    kept = sorted_probs * keep
+    mass_before = torch.cumsum(kept, dim=-1) - kept
+    keep &= mass_before < top_p[:, None] * kept.sum(-1, keepdim=True)
+    keep &= sorted_probs >= min_p[:, None] * sorted_probs[:, :1]
+    return keep
+
+
+def sample_batch(logprobs: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator]) -> tuple[list[int], list[float]]:
+    """One token per row of ``scaled_logprobs`` by inverse CDF over the kept tokens.
+
+    Each row draws one uniform from its own generator (so seeded requests replay exactly whatever
+    they are batched with); the rest is vectorised. Returns (tokens, their untruncated logprobs).
+    """
+    sorted_probs, order = torch.sort(logprobs.exp(), dim=-1, descending=True)
+    kept = sorted_probs * keep_mask(sorted_probs, params)
+    cdf = torch.cumsum(kept, dim=-1)
+    uniform = torch.stack([torch.rand((), generator=g) for g in generators]).to(cdf.dtype)
+    index = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp_(max=cdf.shape[1] - 1)
+    tokens = order.gather(1, index)[:, 0]
+    greedy = torch.tensor([p.temperature <= 0 for p in params])
+    tokens = torch.where(greedy, logprobs.argmax(dim=-1), tokens)
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    return tokens.tolist(), chosen.tolist()
+
+
 def truncated_probs(logprobs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """One row's sampling distribution after top-k, top-p and min-p (renormalised)."""
-    probs = logprobs.exp()
-    if 0 < params.top_k < probs.numel():
-        kth = torch.topk(probs, params.top_k).values[-1]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        mass_before = torch.cumsum(sorted_probs, 0) - sorted_probs
-        keep_sorted = mass_before < params.top_p * sorted_probs.sum()   # first token always kept
-        keep = torch.zeros_like(keep_sorted).scatter(0, order, keep_sorted)
-        probs = torch.where(keep, probs, torch.zeros_like(probs))
-    if params.min_p > 0:
-        probs = torch.where(probs >= params.min_p * probs.max(), probs, torch.zeros_like(probs))
-    return probs / probs.sum()
+    sorted_probs, order = torch.sort(logprobs.exp(), descending=True)
+    kept = sorted_probs * keep_mask(sorted_probs[None], [params])[0]
+    return torch.zeros_like(kept).scatter(0, order, kept / kept.sum())
 
 
 def sample_token(logprobs: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
-    """Draw one token from a row of ``scaled_logprobs``; returns (token, its untruncated logprob)."""
-    if params.temperature <= 0:
-        token = int(torch.argmax(logprobs))
-    else:
-        token = int(torch.multinomial(truncated_probs(logprobs, params), 1, generator=generator))
-    return token, float(logprobs[token])
+    """`sample_batch` for one row."""
+    tokens, chosen = sample_batch(logprobs[None], [params], [generator])
+    return tokens[0], chosen[0]

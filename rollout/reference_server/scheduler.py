@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from .model_runner import ModelRunner
-from .sampling import SamplingParams, make_generator, sample_token, scaled_logprobs
+from .sampling import SamplingParams, make_generator, sample_batch, scaled_logprobs
 
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -200,11 +200,11 @@ class Scheduler:
         out = self.runner.forward(chunks, lengths, want_routes=want_routes)
         temps = torch.tensor([req.params.temperature for req in self.running], dtype=torch.float32)
         logprobs = scaled_logprobs(out.last_logits, temps)
-        for b, req in enumerate(self.running):
+        tokens, chosen = sample_batch(logprobs, [r.params for r in self.running], [r.generator for r in self.running])
+        for b, (req, token, logprob) in enumerate(zip(self.running, tokens, chosen)):
             if req.return_routes:
                 req.routes[req.kv_len: req.kv_len + len(chunks[b])] = out.routes[b]
             req.kv_len += len(chunks[b])
-            token, logprob = sample_token(logprobs[b], req.params, req.generator)
             req.output_ids.append(token)
             req.logprobs.append(logprob)
             req.versions.append(self.version)
