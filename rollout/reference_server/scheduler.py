@@ -189,7 +189,7 @@ class Scheduler:
             while self.waiting and len(self.running) < self.runner.max_batch:
                 req = self.waiting.popleft()
                 if req.return_routes and req.routes is None:
-                    rows = len(req.input_ids) + req.params.max_new_tokens - 1
+                    rows = min(len(req.input_ids) + req.params.max_new_tokens, self.runner.max_context) - 1
                     req.routes = torch.zeros(rows, self.runner.num_moe_layers, self.runner.top_k, dtype=torch.int32)
                 self.running.append(req)
 
