@@ -116,3 +116,16 @@ def test_parse_generate_defaults_and_spans():
     assert version_spans([0, 0, 1, 1, 1, 3]) == [{"version": "0", "start": 0, "end": 2},
                                                  {"version": "1", "start": 2, "end": 5},
                                                  {"version": "3", "start": 5, "end": 6}]
+
+
+def test_group_formation_times_out_with_a_clear_error():
+    import socket
+
+    from rollout.reference_server.weight_group import init_weight_update_group
+
+    with socket.socket() as sock:   # nobody hosts the store on this port
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(RuntimeError, match=rf"group 'g_timeout' at tcp://127.0.0.1:{port} \(rank 1/2, gloo\) "
+                                           r"did not form within 2s"):
+        init_weight_update_group("127.0.0.1", port, 1, 2, "g_timeout", "gloo", timeout_s=2)
