@@ -39,8 +39,8 @@ class Trainer:
         return await asyncio.get_running_loop().run_in_executor(self._model_thread, fn, *args)
 
     async def train(self) -> None:
-        await self.services.start(self)
         try:
+            await self.services.start(self)   # inside: a failed start still stops what it started
             await self.pretrain_value_model()
             while self.step < self.total and not self.services.preemption_requested():
                 started = time.perf_counter()

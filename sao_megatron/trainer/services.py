@@ -51,12 +51,15 @@ class Services:
             await self.driver.start()
 
     async def stop(self) -> None:
-        if self.driver is not None:
-            await self.driver.stop()
-        for engine in self.engines:
-            await engine.close()
-        for handle in self.engine_handles:
-            handle.stop()
+        """Stop everything that was started, even when a step before failed half-way."""
+        try:
+            if self.driver is not None:
+                await self.driver.stop()
+            for engine in self.engines:
+                await engine.close()
+        finally:
+            for handle in self.engine_handles:  # the engine processes never outlive the run
+                handle.stop()
         if self.sink is not None:
             self.sink.close()
             if self.recipe.logging.plot:
@@ -272,10 +275,15 @@ async def start_engines(recipe: Recipe, run_dir: Path):
     handles = []
     urls = list(rollout.engine_urls)
     if not urls:
-        for index in range(rollout.num_engines):
-            handle = _launch_engine(recipe, index, api_key, run_dir)
-            handles.append(handle)
-            urls.append(handle.url)
+        try:
+            for index in range(rollout.num_engines):
+                handle = _launch_engine(recipe, index, api_key, run_dir)
+                handles.append(handle)
+                urls.append(handle.url)
+        except BaseException:
+            for handle in handles:  # a later engine failed to start: stop the earlier ones
+                handle.stop()
+            raise
     engines = [SGLangEngine(url, api_key=api_key, name=f"engine{i}@{url}", timeout_s=rollout.request_timeout_s)
                for i, url in enumerate(urls)]
     (run_dir / "engines.json").write_text(json.dumps({"urls": urls}))
