@@ -27,11 +27,13 @@ def budget_overrides(name: str, steps: int, warmup: int) -> list[str]:
     return [f"run.num_steps={steps + warmup}"]
 
 
-def run(quick: bool = False, out_dir: Path = Path("results")) -> dict:
-    tasks = ["arithmetic"] if quick else ["arithmetic", "copy"]
+def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False) -> dict:
+    """quick: CI smoke (2 runs); default: arithmetic, 5 algorithms x 3 seeds x 60 steps;
+    full: arithmetic and copy, 5 algorithms x 3 seeds x 150 steps."""
+    tasks = ["arithmetic", "copy"] if full else ["arithmetic"]
     algos = ["sao", "grpo"] if quick else list(ALGORITHMS)
     seeds = [1] if quick else [1, 2, 3]
-    steps, warmup = (2, 1) if quick else (40, 3)
+    steps, warmup = (2, 1) if quick else ((150, 3) if full else (60, 3))
     work = out_dir / "runs_algorithms"
     table, curves = {}, {}
     for task in tasks:

@@ -32,9 +32,11 @@ def recovery_steps(rows: list[dict], switch_every: int) -> list:
     return out
 
 
-def run(quick: bool = False, out_dir: Path = Path("results")) -> dict:
-    switch_every, phases = (1, 2) if quick else (40, 3)
-    seeds = [1] if quick else [1, 2]
+def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False) -> dict:
+    """quick: SAO, 2 phases of 1 step; default: 3 methods, 1 seed, 3 phases of 30 steps;
+    full: 3 methods, 3 seeds, 4 phases of 60 steps."""
+    switch_every, phases = (1, 2) if quick else ((60, 4) if full else (30, 3))
+    seeds = [1] if quick else ([1, 2, 3] if full else [1])
     methods = ["sao"] if quick else list(METHODS)
     work = out_dir / "runs_online"
     table, curves = {}, {}

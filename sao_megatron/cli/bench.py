@@ -20,6 +20,8 @@ def register(sub) -> None:
     parser = sub.add_parser("bench", help="Run benchmarks and write results/NAME.json")
     parser.add_argument("name", choices=BENCHES + ["all"], help="benchmark to run, or all")
     parser.add_argument("--quick", action="store_true", help="a small version for CI (well under a minute each)")
+    parser.add_argument("--full", action="store_true",
+                        help="the paper-scale version where a benchmark has one (hours on 2 CPU cores)")
     parser.add_argument("--out-dir", default="results", help="where NAME.json (and NAME.png) go")
     parser.set_defaults(func=run)
 
@@ -30,18 +32,22 @@ def machine() -> dict:
     return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()}
 
 
-def run_one(name: str, quick: bool, out_dir: Path) -> dict:
+def run_one(name: str, quick: bool, out_dir: Path, full: bool = False) -> dict:
     module = importlib.import_module(f"bench.{name.replace('-', '_')}")
     started = time.perf_counter()
     kwargs = {"quick": quick}
-    if "out_dir" in inspect.signature(module.run).parameters:
+    params = inspect.signature(module.run).parameters
+    if "out_dir" in params:
         kwargs["out_dir"] = out_dir  # benchmarks that draw a PNG put it beside the JSON
+    if full and "full" in params:
+        kwargs["full"] = True
     result = module.run(**kwargs)
     result.setdefault("bench", name)
     result["quick"] = quick
+    result["full"] = full and "full" in params
     result["machine"] = machine()
     result["wall_s"] = time.perf_counter() - started
-    result["command"] = f"sao bench {name}" + (" --quick" if quick else "")
+    result["command"] = f"sao bench {name}" + (" --quick" if quick else "") + (" --full" if result["full"] else "")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps(result, indent=2, default=float))
     return result
@@ -53,7 +59,7 @@ def run(args) -> int:
     failed = []
     for name in names:
         try:
-            result = run_one(name, args.quick, out_dir)
+            result = run_one(name, args.quick, out_dir, full=args.full)
         except Exception as err:  # one failed benchmark must not hide the others' results
             failed.append(name)
             print(f"bench {name}: FAILED: {type(err).__name__}: {err}", file=sys.stderr)
