@@ -17,6 +17,8 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
+from checkpoints.tensor_layouts import pack_qkv, unpack_qkv  # one definition of Megatron's QKV layout
+
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 
@@ -43,22 +45,11 @@ class MappingError(KeyError):
     """A Megatron tensor with no HF source (or an HF tensor missing from the state dict)."""
 
 
-def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
-    """[nh*hd, ...], [ng*hd, ...] x2 -> Megatron's grouped [ng*(nh/ng+2)*hd, ...]."""
-    rest = q.shape[1:]
-    qg = q.reshape(groups, -1, *rest)
-    kg, vg = k.reshape(groups, -1, *rest), v.reshape(groups, -1, *rest)
-    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *rest)
-
-
-def unpack_qkv(qkv: torch.Tensor, groups: int, q_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of pack_qkv; q_rows = nh*hd."""
-    rest = qkv.shape[1:]
-    per = qkv.reshape(groups, -1, *rest)
-    qg = q_rows // groups
-    kv = (per.shape[1] - qg) // 2
-    q, k, v = per.split([qg, kv, kv], dim=1)
-    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+def _unpack_qkv(qkv: torch.Tensor, groups: int, q_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of pack_qkv given q_rows = nh*hd (head sizes derived from the packed rows)."""
+    q_per_group = q_rows // groups
+    head_dim = (qkv.shape[0] // groups - q_per_group) // 2
+    return unpack_qkv(qkv, groups, q_per_group // head_dim, head_dim)
 
 
 class HFMapping:
@@ -146,7 +137,7 @@ class HFMapping:
         """HF-named tensors of one full Megatron tensor (vocab padding removed)."""
         kind, names = self.hf_names(mcore_name)
         if kind == "qkv":
-            yield from zip(names, unpack_qkv(full, self.groups, self.q_rows))
+            yield from zip(names, _unpack_qkv(full, self.groups, self.q_rows))
         elif kind == "glu":
             yield from zip(names, full.chunk(2, dim=0))
         elif kind == "vocab":
