@@ -9,13 +9,13 @@ hang should be async or use the sandbox, which kills its subprocess.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import logging
 import math
 from concurrent.futures import Executor
 from typing import Any, Awaitable, Callable, Optional, Union
 
+from sao_megatron.config.imports import resolve_import_path
 from sao_megatron.records import Sample, SampleStatus
 
 log = logging.getLogger(__name__)
@@ -26,19 +26,7 @@ RewardFn = Callable[[Sample], Union[RewardOut, Awaitable[RewardOut]]]
 
 def import_object(path: str, field: str = "rollout.reward_fn") -> Any:
     """Import 'pkg.mod:name' (or 'pkg.mod.name')."""
-    mod_name, sep, attr = path.partition(":")
-    if not sep:
-        mod_name, _, attr = path.rpartition(".")
-    if not mod_name or not attr:
-        raise ValueError(f"{field}: {path!r} is not an import path; write it as 'package.module:function'")
-    try:
-        module = importlib.import_module(mod_name)
-    except ImportError as exc:
-        raise ValueError(f"{field}: cannot import module {mod_name!r} ({exc}); check the path and PYTHONPATH") from exc
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ValueError(f"{field}: module {mod_name!r} has no {attr!r}; check the name after ':'") from None
+    return resolve_import_path(path, field)
 
 
 def resolve_reward_fn(cfg) -> RewardFn:

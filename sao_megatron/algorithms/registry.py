@@ -9,12 +9,12 @@ estimator and recipe names to ``fn(cfg, batch: AdvantageBatch) -> (advantages, r
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
+from sao_megatron.config.imports import resolve_import_path
 from sao_megatron.config.presets import PRESETS
 
 from . import advantages as adv
@@ -120,17 +120,7 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable] = _with_recipe_names(_ESTIMATORS, "alg
 
 def load_import_path(path: str, field: str) -> Callable:
     """Resolve ``'pkg.mod:fn'`` to a callable; a one-line error names ``field`` on any failure."""
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"{field}: {path!r} is not 'pkg.mod:fn'; fix: write the module, a colon, the function")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"{field}: cannot import {module_name!r} ({err}); fix: check the path and PYTHONPATH") from err
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ValueError(f"{field}: {module_name} has no callable {attr!r}; fix: check the function name")
-    return fn
+    return resolve_import_path(path, field, want_callable=True)
 
 
 def get_policy_loss(name: str) -> Callable:
