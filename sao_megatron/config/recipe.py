@@ -96,9 +96,9 @@ class Recipe:
                               "or set model.init_preset = 'tiny'")
         if (model_dir / "config.json").is_file():
             check_model_fits_layout(self, json.loads((model_dir / "config.json").read_text()))
-        if self.rollout.dataset and not Path(self.rollout.dataset).is_file():
+        if self.rollout.dataset and not Path(self.rollout.dataset).exists():
             raise ConfigError("rollout.dataset", f"{self.rollout.dataset} does not exist",
-                              "point it at a jsonl or parquet file, or clear it to use rollout.task")
+                              "point it at a jsonl/parquet file or an HF datasets folder, or clear it to use rollout.task")
         _check_writable(Path(self.run.output_dir))
 
     def to_dict(self) -> dict:

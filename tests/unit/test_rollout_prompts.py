@@ -58,6 +58,17 @@ def test_parquet_dataset(tmp_path):
     assert [(r.prompt, r.label, r.line) for r in rows] == [("a", "1", 1), ("b", "2", 2)]
 
 
+def test_hf_datasets_folder(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_list([{"prompt": "1+1=", "answer": "2", "source": "x"}, {"prompt": "", "answer": "0"},
+                                {"prompt": "2+2=", "answer": "4", "source": "y"}]).save_to_disk(str(tmp_path / "hf"))
+    rows = load_rows(str(tmp_path / "hf"))  # the empty prompt (row 2) is reported and skipped
+    assert [(r.prompt, r.label, r.line, r.metadata["source"]) for r in rows] == [("1+1=", "2", 1, "x"), ("2+2=", "4", 3, "y")]
+    src = build_prompt_source(RolloutConfig(dataset=str(tmp_path / "hf"), task=""), TOK, seed=0)
+    assert {src.next().label for _ in range(2)} == {"2", "4"}
+
+
 def test_epochs_cover_every_row_once_and_reshuffle():
     src = build_prompt_source(RolloutConfig(task="arithmetic"), TOK, seed=3, num_problems=10)
     first = [src.next().metadata["line"] for _ in range(10)]
