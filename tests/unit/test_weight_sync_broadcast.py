@@ -12,7 +12,7 @@ from checkpoints.weight_sync import (BroadcastWeightSync, DiskWeightSync, Weight
 from rollout.engine import EngineError
 from sao_megatron.config import WeightSyncConfig
 
-from test_weight_sync_fakes import FakeEngine
+from weight_sync_fakes import FakeEngine
 
 
 def _named():
