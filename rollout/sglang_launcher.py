@@ -140,19 +140,24 @@ def launch_sglang(recipe, index: int, port: int, api_key: str, log_path: str | P
     return server
 
 
-def wait_healthy(server: SGLangServer, timeout_s: float) -> None:
-    """Poll /health until 200; RuntimeError with the log tail if the process dies or time runs out."""
+def wait_healthy(server, timeout_s: float, label: str = "SGLang", poll_s: float = 1.0) -> None:
+    """Poll /health of a spawned engine (anything with .process, .url, .log_path, .log_tail()) until 200.
+
+    RuntimeError with the log tail if the process dies or time runs out. Shared by SGLang and the
+    reference server's `launch_local`.
+    """
     deadline = time.monotonic() + timeout_s
+    last = ""
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
-            raise RuntimeError(f"SGLang exited with code {server.process.returncode}; log {server.log_path}:\n"
+            raise RuntimeError(f"{label} exited with code {server.process.returncode}; log {server.log_path}:\n"
                                f"{server.log_tail()}")
         try:
             with urllib.request.urlopen(server.url + "/health", timeout=5) as reply:
                 if reply.status == 200:
                     return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"SGLang at {server.url} not healthy within {timeout_s:.0f}s; log {server.log_path}:\n"
-                       f"{server.log_tail()}")
+        except (urllib.error.URLError, OSError) as err:
+            last = str(err)
+        time.sleep(poll_s)
+    raise RuntimeError(f"{label} at {server.url} not healthy within {timeout_s:.0f}s ({last}); "
+                       f"log {server.log_path}:\n{server.log_tail()}")

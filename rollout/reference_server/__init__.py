@@ -18,11 +18,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from rollout.sglang_launcher import wait_healthy
 
 
 @dataclass
@@ -86,7 +86,7 @@ def launch_local(model_dir: str | Path, port: int = 0, api_key: str = "", host: 
     try:
         server.port = _wait_for_port(server, port_file, timeout_s)
         server.url = f"http://{host}:{server.port}"
-        _wait_for_health(server, timeout_s)
+        wait_healthy(server, timeout_s, label="reference server", poll_s=0.1)
     except BaseException:
         server.stop()
         raise
@@ -103,24 +103,6 @@ def _wait_for_port(server: LocalServer, port_file: Path, timeout_s: float) -> in
                                f"listening; log {server.log_path}:\n{server.log_tail()}")
         time.sleep(0.1)
     raise RuntimeError(f"reference server did not start listening within {timeout_s:.0f}s; "
-                       f"log {server.log_path}:\n{server.log_tail()}")
-
-
-def _wait_for_health(server: LocalServer, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    last = ""
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"reference server exited with code {server.process.returncode}; "
-                               f"log {server.log_path}:\n{server.log_tail()}")
-        try:
-            with urllib.request.urlopen(server.url + "/health", timeout=5) as reply:
-                if reply.status == 200:
-                    return
-        except (urllib.error.URLError, OSError) as err:
-            last = str(err)
-        time.sleep(0.1)
-    raise RuntimeError(f"reference server at {server.url} not healthy within {timeout_s:.0f}s ({last}); "
                        f"log {server.log_path}:\n{server.log_tail()}")
 
 
