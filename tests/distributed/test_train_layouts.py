@@ -1,8 +1,10 @@
 """`sao train` launching its own ranks: TP2 and DP2 give the single-rank run's numbers.
 
-The first steps are deterministic (seeded sampling on the reference server, version-0 weights), so
-the critic-only warm-up step and the first policy step must agree across layouts to a small
-tolerance (reduction order differs between layouts; see docs/parallel.md).
+Only the first batch is deterministic: its prompts all start together under version-0 weights with
+seeded sampling. Later batches hold whichever prompts finish first, which depends on timing (the
+second batch differed between layouts under CI load). So the run is one step without critic warm-up:
+the critic and the policy both train on the first batch, and their numbers must agree across layouts
+to a small tolerance (reduction order differs between layouts; see docs/parallel.md).
 """
 from __future__ import annotations
 
@@ -15,13 +17,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "tiny_moe_cpu.toml"
-KEYS = ["critic/vf_loss", "rollout/raw_reward", "rollout/response_len"]
+KEYS = ["rollout/raw_reward", "rollout/response_len", "critic/vf_loss", "train/pg_loss", "train/grad_norm"]
 
 
 def _train(tmp: Path, name: str, *overrides: str) -> list[dict]:
     cmd = [sys.executable, "-m", "sao_megatron.cli.main", "train", str(RECIPE), f"run.output_dir='{tmp}'",
            f"run.name='{name}'", f"model.path='{tmp / 'model'}'", "rollout.batch_size=8", "rollout.max_in_flight=8",
-           "run.num_steps=1", "critic.warmup_steps=1", "logging.wandb=false", "checkpoint.resume='never'", *overrides]
+           "run.num_steps=1", "critic.warmup_steps=0", "logging.wandb=false", "checkpoint.resume='never'", *overrides]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads(line) for line in (tmp / name / "metrics.jsonl").read_text().splitlines() if line]
@@ -37,9 +39,8 @@ def single(tmp_path_factory):
 def test_layout_matches_single_rank(single, layout):
     tmp, reference = single
     rows = _train(tmp, "-".join(o.replace("parallel.", "").replace("=", "") for o in layout), *layout)
-    assert len(rows) == len(reference) == 2
-    for ref, got in zip(reference, rows):
-        for key in KEYS:
-            assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
-    assert rows[1]["train/pg_loss"] == pytest.approx(reference[1]["train/pg_loss"], rel=1e-4, abs=1e-6)
-    assert rows[1]["train/route_agreement"] == reference[1]["train/route_agreement"] == 1.0
+    assert len(rows) == len(reference) == 1
+    got, ref = rows[0], reference[0]
+    for key in KEYS:
+        assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
+    assert got["train/route_agreement"] == ref["train/route_agreement"] == 1.0
