@@ -15,7 +15,7 @@ import torch
 
 from .arch.spec import ArchSpec
 from .layout import ShardLayout
-from .name_map import OUTPUT, Rule, all_rules, embedding_rule, final_rules, layer_rules
+from .name_map import OUTPUT, Rule, all_rules, canonical_mcore_name, embedding_rule, final_rules, layer_rules
 from .tensor_layouts import merge_tp, pack_glu, pack_qkv, split_tp, unpack_glu, unpack_qkv
 
 
@@ -107,8 +107,10 @@ def holder(rule: Rule, spec: ArchSpec, layout: ShardLayout) -> tuple[int, int, i
 
 def iter_mcore_to_hf(shards: Mapping[ShardLayout, Sequence[Mapping[str, torch.Tensor]]],
                      spec: ArchSpec) -> Iterator[tuple[str, torch.Tensor]]:
-    """Merge every rank's shards (keyed by its ShardLayout) into (hf_name, tensor), HF stream order."""
-    index = {(l.pp_rank, l.tp_rank, l.ep_rank): (l, sd) for l, sd in shards.items()}
+    """Merge every rank's shards (keyed by its ShardLayout) into (hf_name, tensor), HF stream order.
+    Shards may use Transformer Engine names (fused norms, grouped experts): see canonical_mcore_name."""
+    index = {(l.pp_rank, l.tp_rank, l.ep_rank): (l, [{canonical_mcore_name(k): t for k, t in c.items()} for c in sd])
+             for l, sd in shards.items()}
     ref = next(iter(shards))
     for rule in all_rules(spec):
         pp, v, ep = holder(rule, spec, ref)

@@ -29,6 +29,7 @@ Multi-latent attention (GLM-5-class, DeepSeek-V3) replaces the QKV rows with
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -128,6 +129,30 @@ def all_rules(spec: ArchSpec) -> list[Rule]:
 
 def expected_hf_names(spec: ArchSpec) -> set[str]:
     return {n for r in all_rules(spec) for n in r.hf}
+
+
+# Transformer Engine layer specs fuse a norm into the linear after it and may group the expert GEMMs;
+# these are the same tensors under the local spec's names, so one rule table serves both specs.
+_TE_FUSED_NORMS = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",                  # dense layers
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",    # MLA
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",  # MLA
+}
+_TE_GROUPED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(linear_fc[12])\.weight(\d+)$")
+
+
+def canonical_mcore_name(name: str) -> str:
+    """The local-spec name of a Megatron tensor name that may come from a Transformer Engine spec
+    (fused layer norms, grouped experts `mlp.experts.linear_fc1.weight{j}`); other names unchanged."""
+    for te, local in _TE_FUSED_NORMS.items():
+        if name.endswith("." + te) or name == te:
+            return name[: len(name) - len(te)] + local
+    grouped = _TE_GROUPED_EXPERT.match(name)
+    if grouped:
+        prefix, fc, j = grouped.groups()
+        return f"{prefix}.local_experts.{j}.{fc}.weight"
+    return name
 
 
 def is_expert_hf_name(name: str) -> bool:

@@ -82,9 +82,7 @@ class RLModel:
 
     # -- weights -----------------------------------------------------------------------------------
     def _mapping(self) -> HFMapping:
-        heads = int(self.hf_config["num_attention_heads"])
-        groups = self.config.num_query_groups or heads
-        return HFMapping(groups, heads * self.config.kv_channels, self.shape.vocab_size)
+        return HFMapping.from_hf_config(self.hf_config)
 
     def load_hf_state_dict(self, hf_tensors: Mapping[str, torch.Tensor]) -> None:
         """Full HF (on-disk names) state dict -> this rank's shards. The critic skips lm_head and keeps

@@ -8,8 +8,8 @@ Families (values and sources in ../shared/notes/models.md):
 - glm5 (GLM-5-class 750B-A40B, model_type glm_moe_dsa / deepseek_v3): multi-latent attention through
   Megatron's MLATransformerConfig, first dense layers, shared expert, sigmoid router with bias.
   The DSA sparse indexer is not modelled: attention is dense MLA. MLA needs the TE spec (GPU):
-  the local spec's attention cannot run it in Megatron-Core 0.16.1, and HF<->Megatron names for
-  MLA weights are not mapped yet (parallel/hf_mapping.py raises naming the tensor).
+  the local spec's attention cannot run it in Megatron-Core 0.16.1. MLA weights follow the name
+  map in checkpoints/name_map.py (TE's fused q/kv norms included); their logits are unchecked.
 
 Local (torch) layer specs on CPU, Transformer Engine specs on GPU: ``use_transformer_engine`` is the
 single place that chooses.

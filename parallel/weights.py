@@ -55,9 +55,8 @@ def load_hf_tensors(module: torch.nn.Module, base: HFMapping, hf: Mapping[str, t
         if name.startswith(skip):
             continue
         rank, size, _ = _tp(param)
-        padded = param.shape[0] * size if _split_dim(param) == 0 else param.shape[0]
-        kind, sources = mapping.full_tensor(name, hf, padded_rows=padded)
-        shard = mapping.shard(kind, sources, param, rank, size)
+        rule = mapping.rule(name)
+        shard = mapping.shard(rule, mapping.full_tensor(rule, hf), param, rank, size)
         if shard.shape != param.shape:
             raise MappingError(f"{name}: HF tensors give shape {tuple(shard.shape)} for this rank, "
                                f"the model has {tuple(param.shape)}; config.json and weights disagree")
@@ -91,9 +90,9 @@ def _owned_full_tensors(modules, base: HFMapping, value_head: bool) -> dict[str,
             if name.startswith("output_layer.") and value_head:
                 owned[VALUE_HEAD] = pieces[0].clone()
                 continue
-            kind, _ = mapping.hf_names(name)
-            full = mapping.unshard(kind, pieces, _split_dim(param))
-            for hf_name, tensor in mapping.to_hf(name, full):
+            rule = mapping.rule(name)
+            full = mapping.unshard(rule, pieces, param)
+            for hf_name, tensor in mapping.to_hf(rule, full):
                 owned[hf_name] = tensor.contiguous().clone()
     return owned
 

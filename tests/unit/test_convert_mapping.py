@@ -10,7 +10,7 @@ from checkpoints.arch import spec_from_hf_dir
 from checkpoints.convert import hf_to_mcore, mcore_to_hf, shard_all
 from checkpoints.hf_io import HFCheckpoint, save_hf_checkpoint
 from checkpoints.layout import ShardLayout, all_layouts
-from checkpoints.name_map import expected_hf_names
+from checkpoints.name_map import canonical_mcore_name, expected_hf_names
 from checkpoints.tensor_layouts import pack_qkv
 from checkpoints.tiny_models import make_tiny_hf
 
@@ -51,6 +51,42 @@ def test_round_trip_bit_exact(request, which, name):
     assert set(back) == set(hf)
     for k, v in hf.items():
         assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+
+
+def _te_name(name: str) -> str:
+    """What a Transformer Engine layer spec calls a local-spec tensor (fused norms, grouped experts)."""
+    for local, te in [("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight"),
+                      ("self_attention.q_layernorm.weight", "self_attention.linear_q_up_proj.layer_norm_weight"),
+                      ("self_attention.kv_layernorm.weight", "self_attention.linear_kv_up_proj.layer_norm_weight")]:
+        if name.endswith(local) and "layers." in name:
+            return name.replace(local, te)
+    if ".mlp.experts.local_experts." in name:
+        prefix, rest = name.split(".mlp.experts.local_experts.")
+        j, fc, _ = rest.split(".")
+        return f"{prefix}.mlp.experts.{fc}.weight{j}"
+    return name
+
+
+def test_canonical_names_read_transformer_engine_specs():
+    assert canonical_mcore_name("decoder.layers.3.mlp.experts.linear_fc1.weight7") == \
+        "decoder.layers.3.mlp.experts.local_experts.7.linear_fc1.weight"
+    assert canonical_mcore_name("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") == "decoder.layers.0.pre_mlp_layernorm.weight"
+    assert canonical_mcore_name("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight") == \
+        "decoder.layers.0.input_layernorm.weight"
+    assert canonical_mcore_name("decoder.layers.0.self_attention.linear_qkv.weight") == \
+        "decoder.layers.0.self_attention.linear_qkv.weight"
+
+
+@pytest.mark.parametrize("which", ["qwen3_moe", "glm5"])
+def test_transformer_engine_named_shards_export_to_the_same_hf(request, which):
+    path = _model(request, which)
+    spec = spec_from_hf_dir(path)
+    hf = {k: v for k, v in HFCheckpoint(path).items() if k in expected_hf_names(spec)}
+    shards = shard_all(hf, spec, all_layouts(tp=2, ep=2))
+    te_shards = {layout: [{_te_name(k): t for k, t in chunk.items()} for chunk in chunks] for layout, chunks in shards.items()}
+    assert any(".experts.linear_fc1.weight" in k for chunks in te_shards.values() for k in chunks[0])
+    back = mcore_to_hf(te_shards, spec)
+    assert set(back) == set(hf) and all(torch.equal(back[k], hf[k]) for k in hf)
 
 
 def test_glm5_mla_names_and_tp_split(glm5_model_dir):
