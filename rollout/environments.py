@@ -5,14 +5,24 @@ and the phase switches every `switch_every` trainer steps, cycling through `rule
 
     phase(step) = (step // switch_every) % len(rules)
 
-Rules (each maps the letter to the rewarded target string):
+Style rules (the default): the rewarded character class changes, whatever the letter.
+Score = the fraction of the (stripped) response's characters in the class; 0 for an empty response.
+- "digits":      0-9
+- "capitals":    A-Z
+- "punctuation": string.punctuation
+A random-init model scores about the class's share of the vocabulary (0.1-0.3) and the tiny model
+learns a style within a few tens of steps, so the reward visibly drops at each switch and recovers:
+"steps to recover" measures adaptation rather than noise.
+
+Letter rules (each maps the letter to the rewarded target string):
 - "upper":  x -> "X"
 - "double": x -> "xx"
 - "next":   x -> "y"  (z wraps to a)
+Score: 1.0 for the exact target; 0.5 if the response starts with the target; else 0. The tiny model
+stays near 0 on these within a phase of tens of steps; they are for larger models.
 
 This follows the SAO paper's online-learning simulation, where the rewarded style switches between
 pools and a learned baseline should recover faster after each switch than a running mean.
-Score: 1.0 for the exact target; 0.5 if the response starts with the target; else 0.
 
 The environment is stateless: the driver stamps the trainer step into the sample
 (``metadata["env_step"]``) before the reward runs, so scoring needs no shared mutable state and a
@@ -31,19 +41,25 @@ RULES = {
     "double": lambda c: c * 2,
     "next": lambda c: string.ascii_lowercase[(string.ascii_lowercase.index(c) + 1) % 26],
 }
+STYLES = {
+    "digits": lambda ch: ch in string.digits,
+    "capitals": lambda ch: ch in string.ascii_uppercase,
+    "punctuation": lambda ch: ch in string.punctuation,
+}
+DEFAULT_RULES = ("digits", "capitals", "punctuation")
 
 
 @dataclass(frozen=True)
 class ChangingEnvironment:
     switch_every: int = 50
-    rules: tuple = field(default=("upper", "double", "next"))
+    rules: tuple = field(default=DEFAULT_RULES)
 
     def __post_init__(self):
         if self.switch_every < 1:
             raise ValueError(f"online environment: switch_every={self.switch_every} < 1; use 1 or more steps")
-        unknown = [r for r in self.rules if r not in RULES]
+        unknown = [r for r in self.rules if r not in RULES and r not in STYLES]
         if unknown or not self.rules:
-            raise ValueError(f"online environment: unknown rules {unknown}; choose from {sorted(RULES)}")
+            raise ValueError(f"online environment: unknown rules {unknown}; choose from {sorted(RULES | STYLES)}")
 
     def phase(self, step: int) -> int:
         return (max(step, 0) // self.switch_every) % len(self.rules)
@@ -60,8 +76,11 @@ class ChangingEnvironment:
         return Problem(f"{letter}:", letter, meta)
 
     def score(self, response: str, letter: str, step: int) -> float:
-        target = self.target(letter, step)
         r = response.strip()
+        if self.rule(step) in STYLES:
+            in_class = STYLES[self.rule(step)]
+            return sum(map(in_class, r)) / len(r) if r else 0.0
+        target = self.target(letter, step)
         if r == target:
             return 1.0
         return 0.5 if r.startswith(target) else 0.0
