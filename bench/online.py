@@ -1,9 +1,18 @@
-"""Online learning: the rewarded rule switches every K policy steps (task 'online', env/phase).
+"""Online learning: the rewarded style switches every K trainer steps (task 'online', env/phase).
+
+The default environment (rollout/environments.py) rewards the fraction of response characters in a
+class that changes each phase: digits -> capitals -> punctuation. The tiny model learns a style
+within a phase, so the reward drops at each switch and has to climb back.
 
 Compares how fast each method recovers after a switch: SAO (learned value model), a group baseline
 (GRPO, 4 rollouts per prompt) and REINFORCE with a running-mean baseline, at the same number of
-samples per step. Recovery = policy steps after a switch until the 5-step moving-average reward is back
-to 80% of its level just before the switch (None when it never gets there within the phase).
+samples per step. Per switch (measured on policy steps, phases split where env/phase advances):
+
+- before = mean reward of the last 5 steps of the previous phase; target = 0.8 * before;
+- dip    = mean reward of the first 5 steps of the new phase;
+- recovery = steps into the new phase until the moving average of its last <= 5 steps (this phase's
+  steps only) reaches the target; None when it never does within the phase. A switch whose dip is
+  already at the target did not knock the policy back and is counted as not informative.
 """
 from __future__ import annotations
 
@@ -17,45 +26,89 @@ METHODS = {
     "grpo": ["algorithm.name='grpo'", "rollout.n_samples_per_prompt=4"],
     "running_mean": ["algorithm.name='running_mean'"],
 }
+WINDOW = 5
+RECOVERY_FRACTION = 0.8
 
 
-def recovery_steps(rows: list[dict], switch_every: int) -> list:
-    """Per switch: steps to get back to 80% of the pre-switch moving average."""
-    policy_rows = [r for r in rows if "env/phase" in r and "train/pg_loss" in r]
-    rewards = [r["rollout/raw_reward"] for r in policy_rows]
-    smooth = [statistics.fmean(rewards[max(0, i - 4):i + 1]) for i in range(len(rewards))]
+def phase_segments(rows: list[dict], num_rules: int) -> list[tuple[int, list[float]]]:
+    """(phase, rewards) of each phase in order. A new phase starts when env/phase advances to the next
+    rule; a batch that still reports the previous phase (samples stamped before the switch) stays in
+    the current segment."""
+    segments: list[tuple[int, list[float]]] = []
+    for row in rows:
+        if "env/phase" not in row or "train/pg_loss" not in row:
+            continue                      # critic warm-up steps do not train the policy
+        phase = int(row["env/phase"])
+        if not segments or phase == (segments[-1][0] + 1) % num_rules:
+            segments.append((phase, []))
+        segments[-1][1].append(row["rollout/raw_reward"])
+    return segments
+
+
+def switch_stats(before: list[float], after: list[float]) -> dict:
+    level = statistics.fmean(before[-WINDOW:])
+    target = RECOVERY_FRACTION * level
+    dip = statistics.fmean(after[:WINDOW]) if after else float("nan")
+    recovery = None
+    for i in range(len(after)):
+        if statistics.fmean(after[max(0, i - WINDOW + 1):i + 1]) >= target:
+            recovery = i + 1
+            break
+    return {"before": level, "target": target, "dip": dip, "recovery_steps": recovery,
+            "informative": dip < target, "steps_in_phase": len(after)}
+
+
+def recovery_per_switch(rows: list[dict], rules: tuple) -> list[dict]:
+    segments = phase_segments(rows, len(rules))
     out = []
-    for switch in range(switch_every, len(smooth), switch_every):
-        target = 0.8 * smooth[switch - 1]
-        after = smooth[switch:switch + switch_every]
-        out.append(next((i + 1 for i, v in enumerate(after) if v >= target), None) if target > 0 else 0)
+    for (prev_phase, before), (phase, after) in zip(segments, segments[1:]):
+        out.append({"from": rules[prev_phase], "to": rules[phase], **switch_stats(before, after)})
     return out
 
 
 def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False) -> dict:
-    """quick: SAO, 2 phases of 1 step; default: 3 methods, 1 seed, 3 phases of 30 steps;
+    """quick: SAO, 2 phases of 1 step; default: 3 methods, 1 seed, 3 phases of 40 steps;
     full: 3 methods, 3 seeds, 4 phases of 60 steps."""
-    switch_every, phases = (1, 2) if quick else ((60, 4) if full else (30, 3))
+    from rollout.environments import DEFAULT_RULES
+
+    switch_every, phases = (1, 2) if quick else ((60, 4) if full else (40, 3))
     seeds = [1] if quick else ([1, 2, 3] if full else [1])
     methods = ["sao"] if quick else list(METHODS)
+    warmup = 1 if quick else 3
     work = out_dir / "runs_online"
     table, curves = {}, {}
     for method in methods:
-        recoveries, runs = [], []
+        switches, runs = [], []
         for seed in seeds:
             overrides = METHODS[method] + ["rollout.task='online'", f"rollout.env_switch_every={switch_every}",
-                                           f"run.num_steps={switch_every * phases}", "critic.warmup_steps=3",
-                                           f"run.seed={seed}"]
+                                           f"run.num_steps={switch_every * phases}",
+                                           f"critic.warmup_steps={warmup}", f"run.seed={seed}"]
             rows = train_run(f"online-{method}-s{seed}", overrides, work)
-            recoveries += [r for r in recovery_steps(rows, switch_every)]
+            switches += [dict(s, seed=seed) for s in recovery_per_switch(rows, DEFAULT_RULES)]
             runs.append(series(rows, "rollout/raw_reward"))
-        recovered = [r for r in recoveries if r is not None]
-        mean, std = mean_std([float(r) for r in recovered])
-        table[method] = {"recovery_steps": recoveries, "recovery_mean": mean, "recovery_std": std,
-                         "never_recovered": sum(r is None for r in recoveries), "seeds": seeds}
+        table[method] = _method_row(switches, seeds)
         curves[method] = runs
-    plot_curves(curves, f"online: rule switches every {switch_every} policy steps", out_dir / "online.png")
-    lines = [f"{'method':14s} {'recovery steps (mean +- std)':>30s} {'never':>6s}"]
+    plot_curves(curves, f"online: style switches every {switch_every} trainer steps", out_dir / "online.png")
+    return {"table": table, "switch_every": switch_every, "phases": phases, "rules": list(DEFAULT_RULES),
+            "critic_warmup_steps": warmup, "recovery_fraction": RECOVERY_FRACTION, "window": WINDOW,
+            "summary": _summary(table)}
+
+
+def _method_row(switches: list[dict], seeds: list[int]) -> dict:
+    recovered = [float(s["recovery_steps"]) for s in switches if s["recovery_steps"] is not None]
+    mean, std = mean_std(recovered)
+    return {"switches": switches, "recovery_steps": [s["recovery_steps"] for s in switches],
+            "recovery_mean": mean, "recovery_std": std,
+            "never_recovered": sum(s["recovery_steps"] is None for s in switches),
+            "informative_switches": sum(s["informative"] for s in switches), "seeds": seeds}
+
+
+def _summary(table: dict) -> str:
+    lines = [f"{'method':14s} {'recovery steps (mean +- std)':>30s} {'never':>6s} {'informative':>12s}"]
     for method, row in table.items():
-        lines.append(f"{method:14s} {row['recovery_mean']:22.1f} +- {row['recovery_std']:.1f} {row['never_recovered']:6d}")
-    return {"table": table, "switch_every": switch_every, "summary": "\n".join(lines)}
+        lines.append(f"{method:14s} {row['recovery_mean']:22.1f} +- {row['recovery_std']:.1f} "
+                     f"{row['never_recovered']:6d} {row['informative_switches']:6d} of {len(row['switches'])}")
+        for s in row["switches"]:
+            lines.append(f"  {s['from']:>11s} -> {s['to']:<11s} before {s['before']:.3f} dip {s['dip']:.3f} "
+                         f"recovered in {s['recovery_steps']} of {s['steps_in_phase']} steps")
+    return "\n".join(lines)
