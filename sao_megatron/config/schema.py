@@ -266,13 +266,21 @@ class LoggingConfig:
 @dataclass
 class EvalConfig:
     interval: int = doc(0, "Evaluate every N steps (0 = off).")
-    datasets: list = doc([], "Held-out jsonl files with 'prompt' and 'answer'.")
+    datasets: list = doc([], "Held-out sets: jsonl files with 'prompt' and 'answer', 'task:NAME', or an agentic "
+                             "benchmark 'code_repair:FILE.jsonl' (docs/evaluation.md).")
     k: int = doc(4, "Samples per problem for avg@k / pass@k.")
     max_problems: int = doc(0, "Evaluate at most this many problems per set (0 = all).")
+    max_turns: int = doc(8, "Agentic sets: model turns per episode (each up to rollout.max_new_tokens tokens).")
+    max_episode_tokens: int = doc(2048, "Agentic sets: response tokens per episode, actions and tool outputs "
+                                        "together; one tool output is cut to max_episode_tokens / max_turns.")
 
     def check(self, p: str) -> None:
         _require(self.interval >= 0, f"{p}.interval", "< 0", "use 0 or more")
         _require(self.k >= 1, f"{p}.k", f"{self.k} < 1", "use 1 or more")
+        _require(self.max_turns >= 1, f"{p}.max_turns", f"{self.max_turns} < 1", "use 1 or more")
+        _require(self.max_episode_tokens >= self.max_turns, f"{p}.max_episode_tokens",
+                 f"{self.max_episode_tokens} leaves no token per turn for {self.max_turns} turns",
+                 "use at least eval.max_turns tokens (e.g. 2048)")
 
 
 @dataclass

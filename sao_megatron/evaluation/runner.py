@@ -3,30 +3,66 @@
 Used on `eval.interval` during training (with the engines' current weights) and by `sao eval`.
 Answer checking: the task's own checker for built-in tasks, math-verify for dataset files
 (AIME / BeyondAIME / IMO-AnswerBench-style jsonl with `prompt` and `answer`).
-Agentic benchmarks plug in as an `AgenticEval` (an environment that scores a whole episode).
+Agentic benchmarks plug in as an `AgenticEval` (an environment that scores a whole episode),
+named in eval.datasets as 'SCHEME:ARG' with SCHEME registered in AGENTIC_EVALS.
 """
 from __future__ import annotations
 
 import abc
 import asyncio
 import itertools
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 from rollout.engine import Engine, GenerateRequest
+from sao_megatron.config.errors import ConfigError
+from sao_megatron.config.imports import resolve_import_path
 
 from .scores import summarize
 
+log = logging.getLogger(__name__)
+
+# eval.datasets scheme -> 'module:class' of an AgenticEval with from_source(arg, eval_cfg, rollout_cfg).
+AGENTIC_EVALS = {"code_repair": "sao_megatron.evaluation.code_repair:CodeRepairEval"}
+
+
+@dataclass
+class EpisodeResult:
+    """One agentic episode. `error` says why an environment failure (not a wrong answer) scored it 0."""
+
+    score: float
+    error: str = ""
+    info: dict = field(default_factory=dict)
+
 
 class AgenticEval(abc.ABC):
-    """An environment-style benchmark (e.g. SWE-bench-like): runs one episode, returns its score in [0, 1]."""
+    """An environment-style benchmark (e.g. SWE-bench-like): runs one episode, scores it in [0, 1].
+
+    A failure of one task (bad row, sandbox limit, malformed patch) is an EpisodeResult with score 0
+    and its `error`; an exception escaping run_episode is recorded the same way by the runner.
+    """
 
     name: str
 
     @abc.abstractmethod
-    async def run_episode(self, engine: Engine, tokenizer, problem, seed: int) -> float: ...
+    async def run_episode(self, engine: Engine, tokenizer, problem, seed: int) -> EpisodeResult: ...
 
     @abc.abstractmethod
     def problems(self) -> list: ...
+
+
+def agentic_eval_for(source: str, eval_cfg, rollout_cfg) -> Optional[AgenticEval]:
+    """The AgenticEval a 'SCHEME:ARG' source names, or None for a dataset file or 'task:NAME'."""
+    scheme, sep, arg = source.partition(":")
+    if not sep or scheme == "task":
+        return None
+    if scheme not in AGENTIC_EVALS:
+        known = ", ".join(["task"] + sorted(AGENTIC_EVALS))
+        raise ConfigError("eval.datasets", f"unknown source scheme {scheme!r} in {source!r}",
+                          f"use one of {known}, or a file path without ':'")
+    return resolve_import_path(AGENTIC_EVALS[scheme], "eval.datasets").from_source(arg, eval_cfg, rollout_cfg)
 
 
 def load_eval_rows(source: str, seed: int, limit: int):
@@ -60,7 +96,7 @@ async def evaluate_source(engines: list[Engine], tokenizer, source: str, *, k: i
     engine_cycle = itertools.cycle(engines)
 
     async def one(problem_index: int, sample_index: int, row) -> float:
-        prompt_ids = _encode(tokenizer, row.prompt)
+        prompt_ids = encode_prompt(tokenizer, row.prompt)
         request = GenerateRequest(rid=f"eval-{problem_index}-{sample_index}-{seed}", input_ids=prompt_ids,
                                   max_new_tokens=max_new_tokens, temperature=temperature,
                                   seed=seed * 1_000_003 + problem_index * 1009 + sample_index,
@@ -72,23 +108,68 @@ async def evaluate_source(engines: list[Engine], tokenizer, source: str, *, k: i
 
     tasks = [[one(p, j, row) for j in range(k)] for p, row in enumerate(rows)]
     correct = [list(await asyncio.gather(*per_problem)) for per_problem in tasks]
-    ks = sorted({1, k} | ({16} if k >= 16 else set()))
-    return summarize(correct, ks)
+    return summarize(correct, _reported_ks(k))
 
 
-async def evaluate_all(engines, tokenizer, eval_cfg, rollout_cfg, seed: int = 0) -> dict:
-    """eval/<set>/avg@k and eval/<set>/pass@k for every configured set."""
+async def evaluate_agentic(engines: list[Engine], tokenizer, env: AgenticEval, *, k: int, seed: int = 0,
+                           limit: int = 0, concurrency: int = 8, episodes: Optional[list] = None) -> dict:
+    """avg@k / pass@k over k episodes per problem, plus `errors` (episodes an environment failure ended).
+
+    Per-episode records (problem, sample, score, error, info) are appended to `episodes` if given.
+    """
+    problems = env.problems()
+    problems = problems[:limit] if limit else problems
+    limiter = asyncio.Semaphore(concurrency)
+    engine_cycle = itertools.cycle(engines)
+
+    async def one(problem_index: int, sample_index: int, problem) -> EpisodeResult:
+        async with limiter:
+            try:
+                return await env.run_episode(next(engine_cycle), tokenizer, problem,
+                                             seed=seed * 1_000_003 + problem_index * 1009 + sample_index)
+            except Exception as exc:  # one task's failure scores 0 with its reason; it never stops the eval
+                return EpisodeResult(0.0, error=f"{type(exc).__name__}: {exc}")
+
+    flat = await asyncio.gather(*(one(p, j, problem) for p, problem in enumerate(problems) for j in range(k)))
+    results = [list(flat[p * k:(p + 1) * k]) for p in range(len(problems))]
+    for p, row in enumerate(results):
+        for j, result in enumerate(row):
+            if result.error:
+                log.warning("eval %s problem %d sample %d scored 0: %s", env.name, p, j, result.error)
+            if episodes is not None:
+                episodes.append({"set": env.name, "problem": p, "sample": j, "score": result.score,
+                                 "error": result.error, **result.info})
+    out = summarize([[r.score for r in row] for row in results], _reported_ks(k))
+    if out:
+        out["errors"] = float(sum(1 for row in results for r in row if r.error))
+    return out
+
+
+async def evaluate_all(engines, tokenizer, eval_cfg, rollout_cfg, seed: int = 0,
+                       episodes: Optional[list] = None) -> dict:
+    """eval/<set>/avg@k and eval/<set>/pass@k for every configured set (agentic sets fill `episodes`)."""
     out = {}
     for source in eval_cfg.datasets:
-        name = source[5:] if source.startswith("task:") else Path(source).stem
-        result = await evaluate_source(engines, tokenizer, source, k=eval_cfg.k, temperature=rollout_cfg.temperature,
-                                       max_new_tokens=rollout_cfg.max_new_tokens, seed=seed,
-                                       limit=eval_cfg.max_problems)
+        env = agentic_eval_for(source, eval_cfg, rollout_cfg)
+        if env is not None:
+            name = env.name
+            result = await evaluate_agentic(engines, tokenizer, env, k=eval_cfg.k, seed=seed,
+                                            limit=eval_cfg.max_problems, episodes=episodes)
+        else:
+            name = source[5:] if source.startswith("task:") else Path(source).stem
+            result = await evaluate_source(engines, tokenizer, source, k=eval_cfg.k,
+                                           temperature=rollout_cfg.temperature,
+                                           max_new_tokens=rollout_cfg.max_new_tokens, seed=seed,
+                                           limit=eval_cfg.max_problems)
         out.update({f"eval/{name}/{key}": value for key, value in result.items()})
     return out
 
 
-def _encode(tokenizer, prompt) -> list[int]:
+def _reported_ks(k: int) -> list[int]:
+    return sorted({1, k} | ({16} if k >= 16 else set()))
+
+
+def encode_prompt(tokenizer, prompt) -> list[int]:
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     if getattr(tokenizer, "chat_template", None):
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
