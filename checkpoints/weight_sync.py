@@ -9,10 +9,12 @@ Seam: `WeightSync.push(named_tensors, version)` (async), built by `build_weight_
 - DiskWeightSync: write HF safetensors shards, then /update_weights_from_disk on every engine.
 Every step runs under cfg.timeout_s; a failing or silent engine raises EngineError naming it.
 
-Pipeline parallelism: a sender needs every HF tensor of its stream. With PP > 1 either export_hf
-gathers all stages to the driver rank (one sender, stage=0), or each stage's first DP/TP rank builds
-its own BroadcastWeightSync(stage=s) over its own group `<name>_pp<s>` with the engines (engines then
-join one group per stage; SGLang supports several named groups). See docs/weights.md.
+Pipeline parallelism (weight_sync.senders): with `per_stage` (the default) each stage's first rank
+exports only its stage's tensors (RLModel.export_hf(scope="stage")) and sends them through its own
+BroadcastWeightSync(stage=s) on its own group `sao_weights_pp<s>_...` with the engines (engines join
+one group per stage; SGLang keeps several named groups); with `driver` every stage gathers to rank 0,
+the one sender. The trainer (sao_megatron/trainer/services.py) pauses and resumes the engines once
+around all stages. See docs/weights.md.
 """
 from __future__ import annotations
 
@@ -46,6 +48,8 @@ class WeightSync(abc.ABC):
 
 async def run_all(calls: dict[str, Awaitable], what: str, timeout_s: float) -> list:
     """Await labelled calls together; the first failure or the timeout raises EngineError naming who."""
+    if not calls:
+        return []
     tasks = {asyncio.ensure_future(aw): label for label, aw in calls.items()}
     done, pending = await asyncio.wait(tasks, timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION)
     failed = [t for t in done if t.exception() is not None]
@@ -95,6 +99,26 @@ def resolve_backend(backend: str) -> str:
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     return backend
+
+
+def sender_address(engines: list[Engine]) -> str:
+    """The address engines reach this sender at: loopback when every engine is local, else the
+    address of the interface that routes to the first remote engine (SAO_WEIGHT_SYNC_ADDR overrides)."""
+    import os
+    from urllib.parse import urlparse
+
+    if os.environ.get("SAO_WEIGHT_SYNC_ADDR"):
+        return os.environ["SAO_WEIGHT_SYNC_ADDR"]
+    hosts = [urlparse(getattr(e, "url", "")).hostname or "127.0.0.1" for e in engines]
+    remote = [h for h in hosts if h not in ("127.0.0.1", "localhost", "::1")]
+    if not remote:
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:   # connect() on UDP sends nothing
+            probe.connect((remote[0], 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
 
 
 def _free_port() -> int:
@@ -157,10 +181,11 @@ class _PausingSync(WeightSync):
 
 
 class BroadcastWeightSync(_PausingSync):
-    def __init__(self, cfg, engines: list[Engine], *, ranks_per_engine: int = 1, master_address: str = "127.0.0.1",
+    def __init__(self, cfg, engines: list[Engine], *, ranks_per_engine: int = 1, master_address: Optional[str] = None,
                  stage: int = 0, manage_pause: bool = True, dtype: Optional[torch.dtype] = None):
         super().__init__(cfg, engines, manage_pause, dtype)
-        self.ranks_per_engine, self.master_address, self.stage = ranks_per_engine, master_address, stage
+        self.ranks_per_engine, self.stage = ranks_per_engine, stage
+        self.master_address = master_address or sender_address(self.engines)
         self.backend = resolve_backend(cfg.backend)
         if self.backend == "nccl" and not torch.cuda.is_available():
             raise ValueError("weight_sync.backend = 'nccl' needs CUDA, and this process sees no GPU; "

@@ -126,6 +126,20 @@ def data_parallel_coords() -> tuple[int, int]:
     return parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
 
 
+def pipeline_stage_group():
+    """(pipeline stage, process group of every rank on that stage, this rank's index in it).
+
+    The ranks of one stage are its tensor x data (x context) parallel group; before Megatron's groups
+    exist the whole world is one stage.
+    """
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0, None, torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    return ps.get_pipeline_model_parallel_rank(), group, torch.distributed.get_rank(group)
+
+
 def comm_device() -> torch.device:
     """Where small tensors for collectives must live: the GPU under nccl, else the CPU."""
     if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":

@@ -93,10 +93,11 @@ class RLModel:
         for module in self.modules:
             load_hf_tensors(module, self._mapping(), hf_tensors, skip)
 
-    def export_hf(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full HF-named tensors, gathered over TP/EP/PP, yielded on every rank in the same order.
+    def export_hf(self, scope: str = "all") -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors, gathered over TP/EP (and PP with scope="all"), yielded on every rank
+        in the same order; scope="stage" yields only this pipeline stage's tensors, on its ranks.
         The critic yields its backbone and ``value_head.weight``."""
-        yield from export_hf_tensors(self.modules, self._mapping(), value_head=self.role == "critic")
+        yield from export_hf_tensors(self.modules, self._mapping(), value_head=self.role == "critic", scope=scope)
 
     # -- forward -----------------------------------------------------------------------------------
     def _before_forward(self, chunk_index: int, batch: TrainBatch) -> None:

@@ -101,22 +101,37 @@ def _natural_key(name: str):
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
-def export_hf_tensors(modules, base: HFMapping, value_head: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) on every rank, in natural name order."""
+def export_hf_tensors(modules, base: HFMapping, value_head: bool = False,
+                      scope: str = "all") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) in natural name order.
+
+    scope="all": every tensor of the model, on every rank (stages broadcast theirs to all).
+    scope="stage": only the tensors this rank's pipeline stage holds, on every rank of that stage
+    (one weight sender per stage; nothing crosses stages).
+    """
+    if scope not in ("all", "stage"):
+        raise ValueError(f"export scope {scope!r}; use 'all' or 'stage'")
     owned = _owned_full_tensors(modules, base, value_head)
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
         for name in sorted(owned, key=_natural_key):
             yield name, owned[name]
         return
+    group = None
+    if scope == "stage":
+        from .distributed import pipeline_stage_group
+
+        _, group, _ = pipeline_stage_group()
     rank = torch.distributed.get_rank()
-    catalog = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(catalog, {n: (tuple(t.shape), t.dtype) for n, t in owned.items()})
+    members = torch.distributed.get_process_group_ranks(group) if group is not None else \
+        list(range(torch.distributed.get_world_size()))
+    catalog = [None] * len(members)
+    torch.distributed.all_gather_object(catalog, {n: (tuple(t.shape), t.dtype) for n, t in owned.items()}, group=group)
     owner = {}
-    for src, names in enumerate(catalog):
+    for src, names in zip(members, catalog):
         for name, meta in names.items():
             owner.setdefault(name, (src, meta))
     for name in sorted(owner, key=_natural_key):
         src, (shape, dtype) = owner[name]
         tensor = owned[name] if src == rank else torch.empty(shape, dtype=dtype, device=comm_device())
-        torch.distributed.broadcast(tensor, src=src)
+        torch.distributed.broadcast(tensor, src=src, group=group)
         yield name, tensor

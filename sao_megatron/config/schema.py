@@ -233,6 +233,9 @@ class WeightSyncConfig:
     timeout_s: float = doc(120.0, "Timeout of every step of a sync; a dead engine is named within it.")
     check_equal: bool = doc(False, "After each sync compare engine tensors against the trainer's (slow).")
     disk_dir: str = doc("", "Directory for the disk method ('' = <run_dir>/weights).")
+    senders: Literal["per_stage", "driver"] = doc(
+        "per_stage", "broadcast with pipeline parallelism: each stage's first rank sends its own layers "
+        "on its own group (per_stage), or every stage gathers to rank 0, the one sender (driver).")
 
     def check(self, p: str) -> None:
         _require(self.bucket_mb > 0, f"{p}.bucket_mb", f"{self.bucket_mb} <= 0", "use e.g. 64")

@@ -45,6 +45,7 @@ class Services:
                 self.driver = SavedRollouts(recipe.run.debug_dir)   # same interface as the driver
             else:
                 await self._build_rollout()
+        await self._build_stage_senders()
         self._build_checkpointer()
         await self._maybe_resume()
         if self.driver is not None:
@@ -145,25 +146,66 @@ class Services:
         if self.recipe.run.debug != "none":
             return {}
         started = time.perf_counter()
+        sent_before = getattr(self.weight_sync, "bytes_sent", 0)
         if self.is_driver:
             async with self.driver.weight_update(self.recipe.weight_sync.pause_mode):
                 await self.push_weights(version)
         else:
             await self.push_weights(version)
-        return {"perf/weight_sync_s": time.perf_counter() - started}
+        metrics = {"perf/weight_sync_s": time.perf_counter() - started}
+        if hasattr(self.weight_sync, "bytes_sent"):   # what this rank sent (its stage's share with per-stage senders)
+            metrics["perf/weight_sync_sent_mb"] = (self.weight_sync.bytes_sent - sent_before) / 2**20
+        return metrics
+
+    def per_stage_senders(self) -> bool:
+        """Each pipeline stage's first rank broadcasts its own layers (weight_sync.senders = per_stage)."""
+        ws = self.recipe.weight_sync
+        return (self.world_size > 1 and self.recipe.parallel.pp > 1 and ws.method == "broadcast"
+                and ws.senders == "per_stage" and self.recipe.run.debug == "none")
 
     async def push_weights(self, version: int) -> None:
-        """Every rank takes part in gathering the HF-named tensors; rank 0 sends them."""
-        named = self.policy.export_hf()
-        if not self.is_driver:
+        """Every rank takes part in gathering the HF-named tensors; the senders send them.
+
+        One sender (rank 0) gets every stage's tensors; with per-stage senders each stage's first rank
+        sends only its stage's, and a barrier keeps the driver from resuming the engines before every
+        stage has landed (engines stay paused meanwhile).
+        """
+        per_stage = self.per_stage_senders()
+        named = self.policy.export_hf(scope="stage" if per_stage else "all")
+        if self.weight_sync is not None:
+            await self.weight_sync.push(named, version)
+        else:
             for _ in named:
                 pass
-            return
-        await self.weight_sync.push(named, version)
+        if per_stage:
+            torch.distributed.barrier()
         if self.recipe.weight_sync.check_equal:
             from checkpoints.weight_sync import check_weight_update_equal
 
-            await check_weight_update_equal(self.engines, self.policy.export_hf())
+            await check_weight_update_equal(self.engines if self.is_driver else [], self.policy.export_hf())
+
+    async def _build_stage_senders(self) -> None:
+        """With per-stage senders, rank 0 shares the engines' endpoints and every other stage's first
+        rank builds its own weight sync (group `sao_weights_pp<stage>_...`) to the same engines."""
+        if not self.per_stage_senders():
+            return
+        import torch.distributed as dist
+
+        from parallel.distributed import pipeline_stage_group
+
+        box = [{"urls": [e.url for e in self.engines], "api_key": self.engines[0].api_key} if self.is_driver else None]
+        dist.broadcast_object_list(box, src=0)
+        stage, _, index = pipeline_stage_group()
+        if self.is_driver or index != 0:
+            return
+        from checkpoints.weight_sync import build_weight_sync
+        from rollout.sglang_client import SGLangEngine
+
+        rollout = self.recipe.rollout
+        self.engines = [SGLangEngine(url, api_key=box[0]["api_key"], name=f"engine{i}@{url}",
+                                     timeout_s=rollout.request_timeout_s) for i, url in enumerate(box[0]["urls"])]
+        self.weight_sync = build_weight_sync(self.recipe.weight_sync, self.engines, run_dir=self.run_dir,
+                                             stage=stage, manage_pause=False)
 
     async def maybe_evaluate(self, step: int) -> dict:
         """eval/<set>/avg@k and pass@k on the engines' current weights, every eval.interval steps."""

@@ -145,3 +145,18 @@ def test_unknown_method_no_engines_and_nccl_without_gpu_refused():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="weight_sync.backend = 'nccl' needs CUDA"):
             build_weight_sync(WeightSyncConfig(backend="nccl"), [object()])
+
+
+def test_sender_address_is_loopback_for_local_engines_and_routable_otherwise(monkeypatch):
+    from types import SimpleNamespace
+
+    from checkpoints.weight_sync import run_all, sender_address
+
+    monkeypatch.delenv("SAO_WEIGHT_SYNC_ADDR", raising=False)
+    local = [SimpleNamespace(url="http://127.0.0.1:30000"), SimpleNamespace(url="http://localhost:30001")]
+    assert sender_address(local) == "127.0.0.1"
+    remote = sender_address([SimpleNamespace(url="http://10.1.2.3:30000")])
+    assert remote.count(".") == 3        # the IPv4 address of the interface that routes there
+    monkeypatch.setenv("SAO_WEIGHT_SYNC_ADDR", "192.0.2.7")
+    assert sender_address(local) == "192.0.2.7"
+    assert asyncio.run(run_all({}, "nothing", 1.0)) == []    # a rank with no engines has nothing to await
