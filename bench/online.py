@@ -9,10 +9,12 @@ Compares how fast each method recovers after a switch: SAO (learned value model)
 samples per step. Per switch (measured on policy steps, phases split where env/phase advances):
 
 - before = mean reward of the last 5 steps of the previous phase; target = 0.8 * before;
-- dip    = mean reward of the first 5 steps of the new phase;
-- recovery = steps into the new phase until the moving average of its last <= 5 steps (this phase's
-  steps only) reaches the target; None when it never does within the phase. A switch whose dip is
-  already at the target did not knock the policy back and is counted as not informative.
+- the first step of the new phase is left out of what follows: its batch may still hold samples
+  scored under the old rule (env/phase is the phase of the batch's newest sample);
+- dip    = mean reward of the next 5 steps;
+- recovery = steps after the switch until the moving average of the new phase's last <= 5 steps
+  reaches the target; None when it never does within the phase. A switch whose dip is already at
+  the target did not knock the policy back and is counted as not informative.
 """
 from __future__ import annotations
 
@@ -48,11 +50,12 @@ def phase_segments(rows: list[dict], num_rules: int) -> list[tuple[int, list[flo
 def switch_stats(before: list[float], after: list[float]) -> dict:
     level = statistics.fmean(before[-WINDOW:])
     target = RECOVERY_FRACTION * level
-    dip = statistics.fmean(after[:WINDOW]) if after else float("nan")
+    settled = after[1:]                       # the batch at the switch may mix old-rule rewards
+    dip = statistics.fmean(settled[:WINDOW]) if settled else float("nan")
     recovery = None
-    for i in range(len(after)):
-        if statistics.fmean(after[max(0, i - WINDOW + 1):i + 1]) >= target:
-            recovery = i + 1
+    for i in range(len(settled)):
+        if statistics.fmean(settled[max(0, i - WINDOW + 1):i + 1]) >= target:
+            recovery = i + 2                  # counted in steps from the switch, the left-out one included
             break
     return {"before": level, "target": target, "dip": dip, "recovery_steps": recovery,
             "informative": dip < target, "steps_in_phase": len(after)}
