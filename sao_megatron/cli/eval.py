@@ -1,9 +1,14 @@
-"""`sao eval RECIPE.toml --checkpoint HF_DIR`: avg@k and pass@k on the recipe's eval sets."""
+"""`sao eval RECIPE.toml --checkpoint HF_DIR`: avg@k and pass@k on the recipe's eval sets.
+
+Agentic sets (e.g. code_repair:FILE) also write one line per episode (score, error, task) to
+<out stem>_episodes.jsonl next to the results.
+"""
 from __future__ import annotations
 
 import asyncio
 import json
 import sys
+from pathlib import Path
 
 
 def register(sub) -> None:
@@ -20,19 +25,34 @@ def run(args) -> int:
 
     recipe = load_recipe(args.recipe, list(args.overrides) + [f"model.path='{args.checkpoint}'"])
     if not recipe.eval.datasets:
-        raise ConfigError("eval.datasets", "no evaluation sets", "add e.g. eval.datasets=['task:arithmetic'] or jsonl files")
-    results = asyncio.run(_evaluate(recipe))
-    out = args.out or str(recipe.run_dir / "eval.json")
-    recipe.run_dir.mkdir(parents=True, exist_ok=True)
-    with open(out, "w") as fh:
-        json.dump(results, fh, indent=2)
+        raise ConfigError("eval.datasets", "no evaluation sets",
+                          "add e.g. eval.datasets=['task:arithmetic'], jsonl files or 'code_repair:FILE.jsonl'")
+    _check_agentic_sets(recipe)
+    recipe.run_dir.mkdir(parents=True, exist_ok=True)       # the engines' logs go there
+    episodes: list = []
+    results = asyncio.run(_evaluate(recipe, episodes))
+    out = Path(args.out or recipe.run_dir / "eval.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
     for key, value in sorted(results.items()):
         print(f"{key:40s} {value:.4f}")
     print(f"wrote {out}", file=sys.stderr)
+    if episodes:
+        details = out.with_name(out.stem + "_episodes.jsonl")
+        details.write_text("".join(json.dumps(e) + "\n" for e in episodes))
+        print(f"wrote {details} (one line per agentic episode: score, error, task)", file=sys.stderr)
     return 0
 
 
-async def _evaluate(recipe) -> dict:
+def _check_agentic_sets(recipe) -> None:
+    """Load agentic task files before any engine starts, so a wrong path fails in seconds."""
+    from sao_megatron.evaluation.runner import agentic_eval_for
+
+    for source in recipe.eval.datasets:
+        agentic_eval_for(source, recipe.eval, recipe.rollout)
+
+
+async def _evaluate(recipe, episodes: list) -> dict:
     from transformers import AutoTokenizer
 
     from sao_megatron.evaluation.runner import evaluate_all
@@ -41,7 +61,8 @@ async def _evaluate(recipe) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(recipe.model.path)
     engines, handles = await start_engines(recipe, recipe.run_dir)
     try:
-        return await evaluate_all(engines, tokenizer, recipe.eval, recipe.rollout, seed=recipe.run.seed)
+        return await evaluate_all(engines, tokenizer, recipe.eval, recipe.rollout, seed=recipe.run.seed,
+                                  episodes=episodes)
     finally:
         for engine in engines:
             await engine.close()

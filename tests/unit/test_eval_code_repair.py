@@ -199,3 +199,12 @@ def test_the_tiny_model_runs_the_shipped_tasks_end_to_end(server, tiny_model_dir
     assert first["eval/code_repair_tiny/pass@1"] <= first["eval/code_repair_tiny/pass@2"] <= 1.0
     assert len(episodes) == 4 and all(e["turns"] >= 1 for e in episodes)
     assert asyncio.run(go([])) == first                  # seeded sampling: the same seed, the same numbers
+
+
+def test_sao_eval_names_a_missing_task_file_before_starting_engines(tiny_model_dir, tmp_path, capsys):
+    from sao_megatron.cli.main import main
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "tiny_moe_cpu.toml"
+    code = main(["eval", str(recipe), f"run.output_dir='{tmp_path}'", "eval.datasets=['code_repair:nope.jsonl']",
+                 "--checkpoint", str(tiny_model_dir)])
+    assert code == 2 and "code_repair task file nope.jsonl does not exist" in capsys.readouterr().err
