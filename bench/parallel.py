@@ -1,46 +1,208 @@
-"""Trainer step time per token under TP2 and EP2 vs one rank. `sao bench parallel [--quick]`.
+"""Trainer step time per token under TP2 and EP2 vs one rank, and memory per rank vs `sao plan`'s
+prediction for the same layout. `sao bench parallel [--quick]`.
 
 Setup: the tiny Qwen3-MoE (checkpoints/init_model.py, preset tiny or small) trains with the fixed
-policy-gradient loss of parallel/layout_check.py on fixed micro-batches. The single-rank reference
-and the 2-rank layouts run back to back in this run on the same data; seconds per step are averaged
-over `steps` steps after one warm-up step, divided by the tokens of a step.
+policy-gradient loss of parallel/layout_check.py on fixed micro-batches (the same build, load,
+micro-batches and DP split as layout_check.run_layout). The single-rank reference and the 2-rank
+layouts run back to back in this run on the same data; seconds per step are averaged over `steps`
+steps after one warm-up step, divided by the tokens of a step.
 ratio = (s/token of layout) / (s/token of one rank): < 1 means the layout is faster. On a CPU box
 both ranks share the same cores, so the ratio measures parallel overhead (collectives, SP gathers,
 all-to-all), not the speed-up a GPU node gives.
+
+Memory, per rank, compared with parallel/planner.py's model_memory for the same layout (fp32, no
+recompute, one micro-batch of rows x seq tokens in flight, no distributed optimizer):
+- state: bytes of the parameters + Megatron main-grad buffers + optimizer state (Adam m, v, step)
+  actually allocated after the warm-up step, summed over tensor storages deduplicated by data pointer
+  -> predicted weights + gradients + optimizer;
+- activations: growth of the process's peak RSS (VmHWM, reset through /proc/self/clear_refs after
+  malloc_trim, so freed memory of earlier steps is not counted as free headroom) during each timed
+  step's forward and backward passes (up to the optimizer's prepare_grads call), the largest over
+  the steps -> predicted activations. On CPU this also holds autograd and allocator temporaries the
+  planner does not model; the ratio is reported as measured, not asserted. The whole step's growth
+  (adding the optimizer step's temporaries) is recorded beside it.
 """
 from __future__ import annotations
 
+import ctypes
+import gc
 import tempfile
+import time
 from pathlib import Path
 
 LAYOUTS = ["tp2", "ep2"]
+ROWS = 2
 
 
-def _timed(model_dir: str, names: list[str], steps: int, num: int, seq: int) -> dict:
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (views of one buffer count once)."""
+    seen = {}
+    for t in tensors:
+        if t is not None and t.numel():
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def state_bytes(model) -> dict:
+    """Parameters, main grads and optimizer state this rank holds (RLModel after one step)."""
+    from parallel.optimizer import _sub_optimizers
+
+    params = [p for m in model.modules for p in m.parameters()]
+    states = [t for sub in _sub_optimizers(model.optimizer) for s in sub.optimizer.state.values()
+              for t in s.values() if hasattr(t, "untyped_storage")]
+    weights = _storage_bytes(params)
+    grads = _storage_bytes([getattr(p, "main_grad", None) for p in params])
+    optimizer = _storage_bytes(states)
+    return {"weights": weights, "gradients": grads, "optimizer": optimizer, "total": weights + grads + optimizer}
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def _peak_growth(model, step) -> dict:
+    """Bytes by which the process's resident set grows at its peak while `step()` runs: up to the
+    optimizer's prepare_grads call (forward and backward of every micro-batch) and over the whole step."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)   # return freed heap pages, so reuse is not hidden
+    except OSError:
+        pass
+    marks = {}
+    prepare = model.optimizer.prepare_grads
+
+    def mark_then_prepare():
+        marks["forward_backward"] = _status_kib("VmHWM")
+        return prepare()
+
+    model.optimizer.prepare_grads = mark_then_prepare
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS (Linux >= 4.0)
+        before = _status_kib("VmRSS")
+        step()
+        peak = _status_kib("VmHWM")
+    finally:
+        model.optimizer.prepare_grads = prepare
+    return {"forward_backward": (marks["forward_backward"] - before) * 1024, "whole_step": (peak - before) * 1024}
+
+
+def _measure_layout(model_dir: str, name: str, hf_tensors: dict, batches: list, steps: int) -> dict:
     from parallel import layout_check as lc
+    from parallel.distributed import teardown_model_parallel
+    from parallel.rl_model import RLModel
 
-    results = lc.run_layouts(model_dir, names, steps=steps + 1, num_batches=num, seq=seq)
-    return {n: r["seconds_per_step"] for n, r in results.items()}
+    teardown_model_parallel()
+    try:
+        model = RLModel.build(lc.make_recipe(model_dir, lc.LAYOUTS[name]), "policy")
+        model.load_hf_state_dict(hf_tensors)
+        local = lc.dp_shard(batches)
+        model.train_step(local, lc.policy_gradient_loss)          # warm-up: allocates the Adam state
+        times, growth = [], []
+        for _ in range(steps):
+            start = time.perf_counter()
+            growth.append(_peak_growth(model, lambda: model.train_step(local, lc.policy_gradient_loss)))
+            times.append(time.perf_counter() - start)
+        return {"seconds_per_step": sum(times) / len(times), "state": state_bytes(model),
+                "peak_rss_growth": {k: max(g[k] for g in growth) for k in growth[0]}}
+    finally:
+        teardown_model_parallel()
+
+
+def _measure(model_dir: str, names: list[str], steps: int, num: int, seq: int) -> dict:
+    """On each rank: every layout in `names`, timed and measured."""
+    from safetensors.torch import load_file
+
+    from parallel import layout_check as lc
+    from parallel.model_build import read_hf_config
+    from parallel.specs import arch_shape
+
+    hf_tensors = load_file(str(Path(model_dir) / "model.safetensors"))
+    batches = lc.fixed_batches(arch_shape(read_hf_config(model_dir)).vocab_size, num=num, rows=ROWS, seq=seq)
+    return {name: _measure_layout(model_dir, name, hf_tensors, batches, steps) for name in names}
+
+
+def predicted(cfg: dict, name: str, world: int, micro_batch_tokens: int) -> dict:
+    """planner.model_memory for layout `name` as layout_check builds it (fp32 policy, plain Adam)."""
+    from parallel import layout_check as lc
+    from parallel.planner import Layout, TrainOptions, model_memory
+
+    spec = lc.LAYOUTS[name]
+    layout = Layout(tp=spec.get("tp", 1), ep=spec.get("ep", 1), etp=spec.get("tp", 1), pp=spec.get("pp", 1))
+    opts = TrainOptions(dtype="fp32", recompute="none", micro_batch_tokens=micro_batch_tokens,
+                        distributed_optimizer=False)
+    mem = model_memory(cfg, layout, world, opts)
+    return {"weights": mem.weights, "gradients": mem.gradients, "optimizer": mem.optimizer,
+            "state": mem.weights + mem.gradients + mem.optimizer, "activations": mem.activations,
+            "layout": layout.short()}
+
+
+def _compare(per_rank: list[dict], prediction: dict) -> dict:
+    """Measured (largest rank, as the planner reports the worst rank) next to the prediction."""
+    def pair(pred: float, measured: float) -> dict:
+        return {"predicted": pred, "measured": measured, "ratio": measured / pred if pred else None}
+
+    state = max(r["state"]["total"] for r in per_rank)
+    acts = max(r["peak_rss_growth"]["forward_backward"] for r in per_rank)
+    return {"state": pair(prediction["state"], state), "activations": pair(prediction["activations"], acts),
+            "whole_step_peak_rss_growth": max(r["peak_rss_growth"]["whole_step"] for r in per_rank),
+            "per_rank_state": [r["state"] for r in per_rank],
+            "per_rank_peak_rss_growth": [r["peak_rss_growth"] for r in per_rank], "prediction": prediction}
+
+
+MEMORY_METHOD = (
+    "Memory per rank, measured vs `sao plan` (parallel/planner.py model_memory, same layout, fp32, one "
+    "micro-batch in flight). *state* = bytes of parameters + main-grad buffers + Adam state actually allocated "
+    "(tensor storages, deduplicated) vs predicted weights + gradients + optimizer. *activations* = growth of the "
+    "process's peak RSS (VmHWM, reset before the step) during the forward and backward passes of a training step, "
+    "up to the optimizer's prepare_grads call, vs predicted activations; on CPU this also holds autograd and "
+    "allocator temporaries the planner does not model. The whole step's peak growth (which adds the optimizer "
+    "step's temporaries: foreach Adam, grad norm) is listed beside it, not compared.")
 
 
 def run(quick: bool = False) -> dict:
     from checkpoints.init_model import init_model
     from parallel.distributed import run_distributed_test
+    from parallel.model_build import read_hf_config
 
     preset, steps, num, seq = ("tiny", 2, 4, 32) if quick else ("small", 5, 8, 128)
-    rows = 2
-    tokens = rows * seq * num
+    tokens = ROWS * seq * num
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(init_model(Path(tmp) / preset, arch="qwen3_moe", preset=preset, seed=0))
-        single = run_distributed_test(_timed, world_size=1, timeout_s=900, args=(model_dir, ["single"], steps, num, seq))[0]
-        layouts = run_distributed_test(_timed, world_size=2, timeout_s=900, args=(model_dir, LAYOUTS, steps, num, seq))[0]
-    base = single["single"] / tokens
-    per_token = {name: layouts[name] / tokens for name in LAYOUTS}
-    ratios = {name: per_token[name] / base for name in LAYOUTS}
-    lines = [f"model {preset}, {tokens} tokens/step, {steps} timed steps (+1 warm-up); ratio = s/token vs 1 rank"]
+        cfg = read_hf_config(model_dir)
+        single = run_distributed_test(_measure, world_size=1, timeout_s=900, args=(model_dir, ["single"], steps, num, seq))
+        layouts = run_distributed_test(_measure, world_size=2, timeout_s=900, args=(model_dir, LAYOUTS, steps, num, seq))
+    seconds = {"single": single[0]["single"]["seconds_per_step"],
+               **{n: layouts[0][n]["seconds_per_step"] for n in LAYOUTS}}
+    memory = {"single": _compare([single[0]["single"]], predicted(cfg, "single", 1, ROWS * seq))}
+    memory |= {n: _compare([rank[n] for rank in layouts], predicted(cfg, n, 2, ROWS * seq)) for n in LAYOUTS}
+    per_token = {n: s / tokens for n, s in seconds.items()}
+    ratios = {n: per_token[n] / per_token["single"] for n in LAYOUTS}
+    result = {"preset": preset, "tokens_per_step": tokens, "micro_batch_tokens": ROWS * seq,
+              "seconds_per_step": seconds, "seconds_per_token": per_token, "ratio_vs_single": ratios,
+              "memory": {"method": MEMORY_METHOD, "layouts": memory}}
+    result["summary"] = _summary(result, steps)
+    return result
+
+
+def _summary(r: dict, steps: int) -> str:
+    mib = 2**20
+    lines = [f"model {r['preset']}, {r['tokens_per_step']} tokens/step, {steps} timed steps (+1 warm-up); "
+             f"ratio = s/token vs 1 rank"]
     lines.append(f"{'layout':>8} {'ms/step':>9} {'us/token':>9} {'ratio':>7}")
-    lines.append(f"{'1 rank':>8} {single['single'] * 1e3:9.1f} {base * 1e6:9.2f} {1.0:7.2f}")
-    for name in LAYOUTS:
-        lines.append(f"{name:>8} {layouts[name] * 1e3:9.1f} {per_token[name] * 1e6:9.2f} {ratios[name]:7.2f}")
-    return {"preset": preset, "tokens_per_step": tokens, "seconds_per_step": {"single": single["single"], **layouts},
-            "seconds_per_token": {"single": base, **per_token}, "ratio_vs_single": ratios, "summary": "\n".join(lines)}
+    for name, s in r["seconds_per_step"].items():
+        ratio = r["ratio_vs_single"].get(name, 1.0)
+        lines.append(f"{name if name != 'single' else '1 rank':>8} {s * 1e3:9.1f} "
+                     f"{r['seconds_per_token'][name] * 1e6:9.2f} {ratio:7.2f}")
+    lines.append("memory per rank (MiB, largest rank): predicted by sao plan vs measured")
+    lines.append(f"{'layout':>8} {'state pred':>11} {'measured':>9} {'ratio':>6}   {'activ. pred':>11} "
+                 f"{'fwd+bwd':>9} {'ratio':>6} {'whole step':>11}")
+    for name, m in r["memory"]["layouts"].items():
+        s, a = m["state"], m["activations"]
+        lines.append(f"{name:>8} {s['predicted'] / mib:11.2f} {s['measured'] / mib:9.2f} {s['ratio']:6.2f}   "
+                     f"{a['predicted'] / mib:11.2f} {a['measured'] / mib:9.2f} {a['ratio']:6.2f} "
+                     f"{m['whole_step_peak_rss_growth'] / mib:11.2f}")
+    return "\n".join(lines)
