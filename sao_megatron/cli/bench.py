@@ -1,7 +1,10 @@
-"""`sao bench NAME [--quick]`: run a benchmark from bench/, write results/NAME.json, print its summary.
+"""`sao bench NAME [--quick]`: run a benchmark from bench/, write results/NAME.json, print its summary,
+and re-render the results report (bench/report.py) from the JSON files in the out dir.
 
 Each bench/NAME.py exposes ``run(quick: bool) -> dict``; the dict's "summary" (a string) is printed and
 everything is written as JSON. Numbers are measured side by side in one run and reported as measured.
+`sao bench all` reruns every benchmark and renders docs/results.md; `sao bench report` only re-renders.
+Quick (CI) runs and other out dirs render OUT_DIR/results.md, never the repository's docs/results.md.
 """
 from __future__ import annotations
 
@@ -13,23 +16,39 @@ import sys
 import time
 from pathlib import Path
 
-BENCHES = ["engine", "pipeline", "weight_sync", "parallel", "algorithms", "stability", "online"]
+BENCHES = ["demo", "engine", "pipeline", "weight_sync", "parallel", "algorithms", "stability", "online"]
 
 
 def register(sub) -> None:
-    parser = sub.add_parser("bench", help="Run benchmarks and write results/NAME.json")
-    parser.add_argument("name", choices=BENCHES + ["all"], help="benchmark to run, or all")
+    parser = sub.add_parser("bench", help="Run benchmarks, write results/NAME.json and render docs/results.md")
+    parser.add_argument("name", choices=BENCHES + ["all", "report"],
+                        help="benchmark to run, all of them, or report (re-render from the JSON files only)")
     parser.add_argument("--quick", action="store_true", help="a small version for CI (well under a minute each)")
     parser.add_argument("--full", action="store_true",
                         help="the paper-scale version where a benchmark has one (hours on 2 CPU cores)")
-    parser.add_argument("--out-dir", default="results", help="where NAME.json (and NAME.png) go")
+    parser.add_argument("--out-dir", default=None,
+                        help="where NAME.json (and NAME.png) go (default results/, or runs/bench-quick with --quick)")
     parser.set_defaults(func=run)
 
 
 def machine() -> dict:
+    """What the numbers were measured on: CPUs, memory, accelerator and the library versions."""
     import os
+    from importlib import metadata
 
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()}
+    import torch
+
+    def version(dist: str) -> str | None:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return None
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+    accelerator = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+            "memory_gib": round(memory / 2**30, 1) if memory else None, "accelerator": accelerator,
+            "torch": torch.__version__, "megatron_core": version("megatron-core")}
 
 
 def run_one(name: str, quick: bool, out_dir: Path, full: bool = False) -> dict:
@@ -54,8 +73,10 @@ def run_one(name: str, quick: bool, out_dir: Path, full: bool = False) -> dict:
 
 
 def run(args) -> int:
-    out_dir = Path(args.out_dir)
-    names = BENCHES if args.name == "all" else [args.name]
+    from bench.report import report_path, write_report
+
+    out_dir = Path(args.out_dir or ("runs/bench-quick" if args.quick else "results"))
+    names = {"all": BENCHES, "report": []}.get(args.name, [args.name])
     failed = []
     for name in names:
         try:
@@ -65,4 +86,6 @@ def run(args) -> int:
             print(f"bench {name}: FAILED: {type(err).__name__}: {err}", file=sys.stderr)
             continue
         print(f"== {name} ==\n{result.get('summary', '')}")
+    doc = write_report(out_dir, report_path(out_dir, args.quick))
+    print(f"report: {doc}")
     return 1 if failed else 0

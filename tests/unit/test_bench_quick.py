@@ -1,9 +1,11 @@
-"""Every benchmark's quick mode runs and writes a well-formed results/NAME.json (numbers are never
-asserted as timings: only that they exist and are finite where they must be)."""
+"""Every benchmark's quick mode runs and writes a well-formed results/NAME.json and a results report
+that names every benchmark (numbers are never asserted as timings: only that they exist and are
+finite where they must be)."""
 from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("name", BENCHES)
 def test_quick_benchmark_writes_results(name, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "sao_megatron.cli.main", "bench", name, "--quick",
-                           "--out-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=1800)
+                           "--out-dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / f"{name}.json").read_text())
     assert result["bench"] == name and result["quick"] is True
@@ -26,3 +28,22 @@ def test_quick_benchmark_writes_results(name, tmp_path):
     assert result["machine"]["cpus"] >= 1 and math.isfinite(result["wall_s"])
     assert isinstance(result["summary"], str) and result["summary"].strip()
     assert f"== {name} ==" in proc.stdout
+    assert f"report: {tmp_path / 'results.md'}" in proc.stdout    # quick runs never render docs/results.md
+    check_report(tmp_path / "results.md", measured=name)
+
+
+def check_report(path: Path, measured: str) -> None:
+    """The rendered report: one section per benchmark, the measured one with its command, links that resolve."""
+    text = path.read_text()
+    assert text.startswith("# Results\n")
+    sections = re.split(r"^## ", text, flags=re.M)[1:]
+    assert len(sections) == len(BENCHES)
+    for name in BENCHES:
+        [section] = [s for s in sections if f"(`sao bench {name}`)" in s.splitlines()[0]]
+        if name == measured:
+            assert f"Measured by `sao bench {name} --quick` (quick smoke version)" in section
+            assert "Not measured" not in section
+        else:
+            assert f"Not measured: there is no `{name}.json`" in section
+    for target in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text):
+        assert (path.parent / target).is_file(), target

@@ -1,0 +1,68 @@
+"""The results report renders from the JSON files alone, says "not measured" for what is missing and
+never writes the repository's docs/results.md from a quick or foreign out dir; the online benchmark's
+recovery count on hand-made reward curves."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.online import recovery_per_switch
+from bench.report import REPO, render, report_path
+from sao_megatron.cli.bench import BENCHES
+
+PIPELINE = {"bench": "pipeline", "quick": False, "full": False, "wall_s": 37.4, "command": "sao bench pipeline",
+            "machine": {"platform": "Linux", "python": "3.11.7", "cpus": 2, "accelerator": None},
+            "summary": "SIMULATED engines: 4.75x", "simulated_engine": True, "speedup_samples_per_s": 4.75,
+            "async_single": {"trainer_idle_after_first_batch": 0.004}}
+
+
+def test_missing_results_are_reported_as_not_measured(tmp_path):
+    text = render(tmp_path, tmp_path / "results.md")
+    assert text.startswith("# Results\n")
+    for name in BENCHES:
+        assert f"`sao bench {name}`)\n\nNot measured: there is no `{name}.json`" in text
+
+
+def test_numbers_and_notes_come_from_the_json(tmp_path):
+    (tmp_path / "pipeline.json").write_text(json.dumps(PIPELINE))
+    text = render(tmp_path, tmp_path / "results.md")
+    assert "Measured by `sao bench pipeline` on 2 CPU cores, no GPU, Python 3.11.7 (Linux); wall time 37 s." in text
+    assert "**simulated**" in text and "met (4.75x)" in text
+    (tmp_path / "pipeline.json").write_text(json.dumps(dict(PIPELINE, simulated_engine=False, speedup_samples_per_s=2.0)))
+    text = render(tmp_path, tmp_path / "results.md")
+    assert "**simulated**" not in text and "NOT met (2.00x)" in text
+
+
+def test_quick_and_foreign_out_dirs_never_render_the_repository_report(tmp_path):
+    assert report_path(REPO / "results", quick=False) == REPO / "docs" / "results.md"
+    assert report_path(REPO / "results", quick=True) == REPO / "results" / "results.md"
+    assert report_path(tmp_path, quick=False) == tmp_path / "results.md"
+
+
+def _rows(phases: list[int], rewards: list[float], warmup: int = 2) -> list[dict]:
+    rows = [{"step": i + 1, "env/phase": 0, "rollout/raw_reward": 0.0} for i in range(warmup)]  # critic warm-up
+    return rows + [{"step": warmup + i + 1, "env/phase": p, "rollout/raw_reward": r, "train/pg_loss": 0.0}
+                   for i, (p, r) in enumerate(zip(phases, rewards))]
+
+
+def test_recovery_counts_steps_of_the_new_phase_only():
+    # phase 0 ends at 0.5 (target 0.4). Phase 1's first batch (0.9) still holds old-rule rewards and is
+    # left out; then the moving average of phase 1's own steps is 0.375 after 4 of them and first reaches
+    # the target after 5 ((0.1+0.2+0.5+0.7+0.7)/5 = 0.44): 6 steps after the switch.
+    before = [0.5] * 6
+    after = [0.9, 0.1, 0.2, 0.5, 0.7, 0.7, 0.7]
+    phases = [0] * 6 + [1] * 7
+    [switch] = recovery_per_switch(_rows(phases, before + after), ("digits", "capitals", "punctuation"))
+    assert switch["from"] == "digits" and switch["to"] == "capitals"
+    assert switch["before"] == pytest.approx(0.5) and switch["target"] == pytest.approx(0.4)
+    assert switch["dip"] == pytest.approx(0.44) and switch["informative"] is False  # the dip already meets it
+    assert switch["recovery_steps"] == 6 and switch["steps_in_phase"] == 7
+
+
+def test_a_late_batch_of_the_old_phase_stays_in_the_new_segment_and_never_is_none():
+    phases = [0] * 5 + [1, 0, 1, 1]           # one batch after the switch still reports phase 0
+    rewards = [0.5] * 5 + [0.0] * 4
+    [switch] = recovery_per_switch(_rows(phases, rewards), ("digits", "capitals", "punctuation"))
+    assert switch["steps_in_phase"] == 4 and switch["recovery_steps"] is None and switch["informative"] is True
