@@ -213,7 +213,8 @@ def _algorithms_verdict(table: dict, task: str) -> str:
         within = abs(best["final_mean"] - rows["sao"]["final_mean"]) <= max(best["final_std"], rows["sao"]["final_std"])
         text += (" SAO is first, as in the SAO paper's ordering." if ranked[0] == "sao" else
                  f" SAO is {ranked.index('sao') + 1} of {len(ranked)}: this does **not** reproduce the SAO paper's "
-                 f"ordering (SAO first)" + (", though the gap to the best is within one std over seeds." if within else "."))
+                 f"ordering (SAO first)" + (", though the gap to the best is within one std over seeds." if within else ".")
+                 + " The demo section shows what the tiny model learns at this scale.")
     return text
 
 
