@@ -173,8 +173,10 @@ def run(quick: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(init_model(Path(tmp) / preset, arch="qwen3_moe", preset=preset, seed=0))
         cfg = read_hf_config(model_dir)
-        single = run_distributed_test(_measure, world_size=1, timeout_s=900, args=(model_dir, ["single"], steps, num, seq))
-        layouts = run_distributed_test(_measure, world_size=2, timeout_s=900, args=(model_dir, LAYOUTS, steps, num, seq))
+        single = run_distributed_test(_measure, world_size=1, timeout_s=900,
+                                      args=(model_dir, ["single"], steps, num, seq))
+        layouts = run_distributed_test(_measure, world_size=2, timeout_s=900,
+                                       args=(model_dir, LAYOUTS, steps, num, seq))
     seconds = {"single": single[0]["single"]["seconds_per_step"],
                **{n: layouts[0][n]["seconds_per_step"] for n in LAYOUTS}}
     memory = {"single": _compare([single[0]["single"]], predicted(cfg, "single", 1, ROWS * seq))}

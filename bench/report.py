@@ -112,7 +112,8 @@ def _section(name: str, title: str, result: Optional[dict], body, link) -> str:
     head = f"## {title} (`sao bench {name}`)"
     if result is None:
         return f"{head}\n\nNot measured: there is no `{name}.json` (run `sao bench {name}`)."
-    variant = " (quick smoke version)" if result.get("quick") else (" (paper-scale version)" if result.get("full") else "")
+    variant = (" (quick smoke version)" if result.get("quick") else
+               " (paper-scale version)" if result.get("full") else "")
     wall = result.get("wall_s")
     provenance = (f"Measured by `{result.get('command', 'command not recorded')}`{variant} on "
                   f"{machine_text(result.get('machine'))}; wall time "
@@ -151,14 +152,16 @@ def _demo(r: dict, link) -> str:
     if r.get("entropy_first") is not None:
         rows.append(["policy entropy (nats/token), first -> last",
                      f"{r['entropy_first']:.2f} -> {r['entropy_last']:.2f}"])
-    rows.append([f"wall time of the {r['steps']} steps", f"{r['steps_wall_s']:.0f} s ({r['seconds_per_step']:.2f} s/step)"])
+    rows.append([f"wall time of the {r['steps']} steps",
+                 f"{r['steps_wall_s']:.0f} s ({r['seconds_per_step']:.2f} s/step)"])
     setup = ""
     if r.get("algorithm"):
         size = f" ({r['model_parameters'] / 1e6:.2f}M parameters)" if r.get("model_parameters") else ""
-        setup = (f" Model: the `{r['model_preset']}` Qwen3-MoE preset, random init{size}; algorithm `{r['algorithm']}`, "
-                 f"task `{r['task']}`, {r['rollouts_per_step']} rollouts per step.")
+        setup = (f" Model: the `{r['model_preset']}` Qwen3-MoE preset, random init{size}; "
+                 f"algorithm `{r['algorithm']}`, task `{r['task']}`, {r['rollouts_per_step']} rollouts per step.")
     out = [f"`sao train {r.get('recipe', 'recipes/tiny_moe_cpu.toml')}`: {r['steps']} steps, "
-           f"{r['policy_steps']} of them policy steps (the rest warm up the critic).{setup}", _table(["", "value"], rows)]
+           f"{r['policy_steps']} of them policy steps (the rest warm up the critic).{setup}",
+           _table(["", "value"], rows)]
     out.append(link("tiny_demo_curves.png", "tiny demo curves"))
     out.append(_demo_verdict(r))
     return "\n\n".join(x for x in out if x)
@@ -191,8 +194,8 @@ def _algorithms(r: dict, link) -> str:
     table = r["table"]
     seeds = len(next(iter(table.values()))["seeds"]) if table else 0
     rows = [[key, _pm(v["final_mean"], v["final_std"]), _pm(v["auc_mean"], v["auc_std"])] for key, v in table.items()]
-    out = [f"{r.get('steps', '?')} policy steps (+{r.get('warmup', '?')} critic warm-up steps for SAO and PPO, given to "
-           f"the group methods as extra steps: every method generates the same number of samples), {seeds} seeds. "
+    out = [f"{r.get('steps', '?')} policy steps (+{r.get('warmup', '?')} critic warm-up steps for SAO and PPO, given "
+           f"to the group methods as extra steps: every method generates the same number of samples), {seeds} seeds. "
            f"Final = mean reward of the last 5 steps; AUC = mean reward over all steps; mean +- std over seeds.",
            _table(["task/algorithm", "final reward", "AUC"], rows)]
     tasks = sorted({key.split("/")[0] for key in table})
@@ -213,7 +216,8 @@ def _algorithms_verdict(table: dict, task: str) -> str:
         within = abs(best["final_mean"] - rows["sao"]["final_mean"]) <= max(best["final_std"], rows["sao"]["final_std"])
         text += (" SAO is first, as in the SAO paper's ordering." if ranked[0] == "sao" else
                  f" SAO is {ranked.index('sao') + 1} of {len(ranked)}: this does **not** reproduce the SAO paper's "
-                 f"ordering (SAO first)" + (", though the gap to the best is within one std over seeds." if within else ".")
+                 f"ordering (SAO first)"
+                 + (", though the gap to the best is within one std over seeds." if within else ".")
                  + " The demo section shows what the tiny model learns at this scale.")
     return text
 
@@ -239,7 +243,7 @@ def _online(r: dict, link) -> str:
                         f"{v['informative_switches']} of {len(v['switches'])}"] for m, v in table.items()]))
     out.append(_table(["method", "seed", "switch", "before", "dip", "recovered after (steps in phase)"],
                       [[m, s["seed"], f"{s['from']} -> {s['to']}", f"{s['before']:.3f}", f"{s['dip']:.3f}",
-                        f"{s['recovery_steps'] if s['recovery_steps'] is not None else 'never'} ({s['steps_in_phase']})"]
+                        f"{'never' if s['recovery_steps'] is None else s['recovery_steps']} ({s['steps_in_phase']})"]
                        for m, v in table.items() for s in v["switches"]]))
     out.append(link("online.png", "online"))
     out.append(_online_verdict(table, seeds))
@@ -313,7 +317,8 @@ def _weight_sync(r: dict, link) -> str:
     best = max(r["sweep"], key=lambda s: s["ratio_vs_raw"])
     target = TARGETS["weight_sync_ratio"]
     text = (f"Target >= {target} of a raw broadcast of the same bytes on the same group: "
-            f"{_met(best['ratio_vs_raw'] >= target)} (best {best['ratio_vs_raw']:.2f} at {best['bucket_mb']:g} MiB buckets).")
+            f"{_met(best['ratio_vs_raw'] >= target)} (best {best['ratio_vs_raw']:.2f} at {best['bucket_mb']:g} MiB "
+            f"buckets).")
     bucket = _recipe_bucket_mb()
     if bucket is not None:
         text += f" The tiny recipe (recipes/tiny_moe_cpu.toml) uses {bucket:g} MiB buckets."
@@ -340,11 +345,10 @@ def _engine(r: dict, link) -> str:
 
 
 def _parallel(r: dict, link) -> str:
-    layouts = [n for n in r["seconds_per_step"] if n != "single"]
-    rows = [["1 rank", f"{r['seconds_per_step']['single'] * 1e3:.1f}", f"{r['seconds_per_token']['single'] * 1e6:.2f}", "1.00"]]
-    rows += [[n, f"{r['seconds_per_step'][n] * 1e3:.1f}", f"{r['seconds_per_token'][n] * 1e6:.2f}",
-              f"{r['ratio_vs_single'][n]:.2f}"] for n in layouts]
-    out = [f"Model preset `{r['preset']}`, {r['tokens_per_step']} tokens per step; ratio = seconds per token vs 1 rank.",
+    rows = [["1 rank" if n == "single" else n, f"{seconds * 1e3:.1f}", f"{r['seconds_per_token'][n] * 1e6:.2f}",
+             f"{r['ratio_vs_single'].get(n, 1.0):.2f}"] for n, seconds in r["seconds_per_step"].items()]
+    out = [f"Model preset `{r['preset']}`, {r['tokens_per_step']} tokens per step; "
+           f"ratio = seconds per token vs 1 rank.",
            _table(["layout", "ms/step", "us/token", "ratio"], rows)]
     m = r.get("machine") or {}
     if not m.get("accelerator"):
