@@ -8,10 +8,15 @@ component names, the rank manifests' checksums). Components are passed in by nam
 sample buffer, in-flight and partial samples as Sample.to_dict), RNG states (RngState below), trainer
 step and weight version, the metric sink's run id.
 
-A component offering state_dict_for_checkpoint()/load_checkpoint() (RLModel) is saved through those.
-Model state is plain torch.save of each rank's shard (not Megatron dist_checkpointing): it needs no
-spawned manager or __main__ guard and works on CPU/gloo, but a resume must use the same layout and
-world size (checked at load). Resharding a run checkpoint is a job for `sao convert` through HF.
+Model state (RLModel) comes in two formats (checkpoint.format):
+- distributed (default): a component with `distributed_checkpoint = True` writes a Megatron
+  distributed checkpoint (torch_dist: model + optimizer under global tensor names) into the shared
+  directory `<name>/`, every rank its shards; the top manifest lists and checksums those files. It
+  loads under any layout and world size: the other (small) per-rank components then come from rank
+  `r % saved_world_size` (the trainer state is the same on every rank; the driver lives on rank 0).
+  Megatron's writer starts a multiprocessing manager, so ranks must not be daemonic processes.
+- per_rank: state_dict_for_checkpoint() / load_checkpoint() torch-saved per rank; a resume must use
+  the same layout and world size (checked at load).
 
 Atomicity: every rank writes into `.tmp-step_<step>/`; after a barrier rank 0 writes manifest.json and
 renames the directory into place, then rewrites the `latest` pointer (os.replace). A crash at any
@@ -56,29 +61,37 @@ class RunCheckpointer:
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, components: dict) -> Path:
-        """Save every component's state_dict(); returns the checkpoint directory."""
+        """Save every component's state; returns the checkpoint directory."""
         final = self.root / f"{PREFIX}{step:08d}"
         tmp = self.root / f".tmp-{final.name}"
+        shared = sorted(n for n, c in components.items() if _is_distributed(c))
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
+            for name in shared:
+                (tmp / name).mkdir()
         self.barrier()
         names = []
         for name, component in components.items():
+            if name in shared:
+                component.save_distributed(tmp / name)   # collective: every rank writes its shards
+                continue
             fname = f"{name}.rank{self.rank:05d}.pt"
             _save_durably(_state_of(component), tmp / fname)
             names.append(fname)
         write_json_durably(tmp / f"manifest.rank{self.rank:05d}.json", {"files": describe_files(tmp, names)})
         self.barrier()
         if self.rank == 0:
-            self._publish(tmp, final, step, sorted(components))
+            self._publish(tmp, final, step, sorted(components), shared)
         self.barrier()
         return final
 
-    def _publish(self, tmp: Path, final: Path, step: int, components: list[str]) -> None:
+    def _publish(self, tmp: Path, final: Path, step: int, components: list[str], shared: list[str]) -> None:
         ranks = [f"manifest.rank{r:05d}.json" for r in range(self.world_size)]
+        shared_files = sorted(str(p.relative_to(tmp)) for name in shared for p in (tmp / name).rglob("*") if p.is_file())
         top = {"step": step, "world_size": self.world_size, "components": components,
-               "rank_manifests": describe_files(tmp, ranks), "created": time.time()}
+               "rank_manifests": describe_files(tmp, ranks), "distributed": shared,
+               "distributed_files": describe_files(tmp, shared_files), "created": time.time()}
         write_json_durably(tmp / "manifest.json", top)
         if final.exists():
             shutil.rmtree(final)
@@ -113,9 +126,9 @@ class RunCheckpointer:
         ckpt = Path(path) if path is not None else self.latest()
         if ckpt is None:
             return None
-        error = None
+        error, top = None, None
         try:
-            self._verify(ckpt, components)
+            top = self._verify(ckpt, components)
         except CheckpointCorruptError as err:
             error = err
         failed = self._ranks_failed(error is not None)
@@ -124,25 +137,38 @@ class RunCheckpointer:
         if failed:   # this rank's files are fine, but another rank cannot resume: nobody may continue
             raise CheckpointCorruptError(f"{ckpt} failed verification on rank(s) {failed} (their error names the "
                                          f"file){self._fallback_hint(ckpt)}")
+        source = self.rank % top["world_size"]
         for name, component in components.items():
-            state = torch.load(ckpt / f"{name}.rank{self.rank:05d}.pt", map_location="cpu", weights_only=False)
+            if name in top.get("distributed", []):
+                component.load_distributed(ckpt / name)
+                continue
+            state = torch.load(ckpt / f"{name}.rank{source:05d}.pt", map_location="cpu", weights_only=False)
             _load_into(component, state)
         return ckpt
 
-    def _verify(self, ckpt: Path, components: dict) -> None:
+    def _verify(self, ckpt: Path, components: dict) -> dict:
         fallback = self._fallback_hint(ckpt)
         top = read_manifest(ckpt / "manifest.json", fallback)
-        if top["world_size"] != self.world_size:
-            raise CheckpointCorruptError(f"{ckpt} was saved by {top['world_size']} ranks, "
-                                         f"this run has {self.world_size}; "
-                                         f"fix: resume with the same layout, or convert through HF (sao convert)")
+        shared = top.get("distributed", [])
         missing = sorted(set(components) - set(top["components"]))
         if missing:
             raise CheckpointCorruptError(f"{ckpt} has no state for component(s) {missing} "
                                          f"(it holds {top['components']})")
+        per_rank_models = sorted(n for n, c in components.items() if n not in shared and _is_model(c))
+        if top["world_size"] != self.world_size and per_rank_models:
+            raise CheckpointCorruptError(f"{ckpt} holds {per_rank_models} per rank, saved by {top['world_size']} "
+                                         f"ranks, and this run has {self.world_size}; fix: resume with the same "
+                                         f"layout, or save with checkpoint.format = distributed (or convert through HF)")
+        wrong = sorted(n for n in shared if n in components and not _is_distributed(components[n]))
+        if wrong:
+            raise CheckpointCorruptError(f"{ckpt} holds {wrong} as a distributed checkpoint; fix: resume with "
+                                         "checkpoint.format = distributed")
         verify_files(ckpt, top["rank_manifests"], fallback)
-        own = read_manifest(ckpt / f"manifest.rank{self.rank:05d}.json", fallback)
+        own = read_manifest(ckpt / f"manifest.rank{self.rank % top['world_size']:05d}.json", fallback)
         verify_files(ckpt, own["files"], fallback)
+        shared_files = sorted(top.get("distributed_files", {}))   # each rank checksums its share of them
+        verify_files(ckpt, {n: top["distributed_files"][n] for n in shared_files[self.rank::self.world_size]}, fallback)
+        return top
 
     def _ranks_failed(self, failed_here: bool) -> list[int]:
         """Ranks whose verification failed (all ranks learn it, so all stop together, none hangs)."""
@@ -160,6 +186,14 @@ class RunCheckpointer:
         if older:
             return f"; fix: resume from the previous checkpoint with checkpoint.resume={older[-1]}"
         return "; no earlier checkpoint exists: fix: start fresh with checkpoint.resume=never"
+
+
+def _is_distributed(component) -> bool:
+    return bool(getattr(component, "distributed_checkpoint", False))
+
+
+def _is_model(component) -> bool:
+    return hasattr(component, "state_dict_for_checkpoint")
 
 
 def _state_of(component):

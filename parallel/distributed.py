@@ -178,11 +178,12 @@ def run_distributed_test(fn: Callable[..., Any], world_size: int = 2, backend: s
 
     `fn` must be importable (module level). The first failing rank's traceback is raised here; ranks
     still running after `timeout_s` (or after a peer failed) are killed, never waited on forever.
+    Ranks are not daemonic: Megatron's distributed-checkpoint writer starts a multiprocessing manager.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, backend, args, results), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, backend, args, results), daemon=False)
              for r in range(world_size)]
     for proc in procs:
         proc.start()

@@ -41,6 +41,8 @@ def make_recipe(model_dir: str | Path, layout: dict, lr: float = 1e-3, micro_bat
     recipe.algorithm.lr = lr
     recipe.critic.lr = lr
     recipe.parallel = replace(recipe.parallel, micro_batch_tokens=micro_batch_tokens, **layout)
+    if recipe.parallel.distributed_optimizer:   # its distributed checkpoint needs CUDA; these runs never save
+        recipe.checkpoint.format = "per_rank"
     return recipe
 
 

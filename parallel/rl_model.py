@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
 import torch
@@ -64,6 +65,11 @@ class RLModel:
         chunks = model_build.build_chunks(hf, config, critic, recipe.model.transformer_impl, recipe.model.max_seq_len)
         if critic and recipe.critic.freeze_attention:
             model_build.freeze_attention(chunks)
+        if (recipe.parallel.distributed_optimizer and recipe.checkpoint.format == "distributed"
+                and not torch.cuda.is_available()):
+            raise ValueError("parallel.distributed_optimizer with checkpoint.format = 'distributed' needs CUDA: "
+                             "megatron-core 0.16.1 saves distributed-optimizer state wrongly on CPU; "
+                             "fix: set checkpoint.format = 'per_rank' (same-layout resume) on CPU")
         ddp = wrap_ddp(chunks, config, recipe.parallel.distributed_optimizer)
         algo = recipe.algorithm
         settings = OptimSettings(lr=recipe.critic.lr if critic else algo.lr, weight_decay=algo.weight_decay,
@@ -187,16 +193,60 @@ class RLModel:
         if self.role != role:
             raise TypeError(f"RLModel.{what} needs the {role} model; this is the {self.role}")
 
-    # -- checkpoint (same layout only) ----------------------------------------------------------------
+    # -- checkpoint ----------------------------------------------------------------------------------
+    @property
+    def distributed_checkpoint(self) -> bool:
+        """Save through Megatron dist_checkpointing (checkpoint.format = distributed)."""
+        return self.recipe.checkpoint.format == "distributed"
+
+    def _sharded_state(self, loading: bool) -> dict:
+        model = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(self.chunks)}
+        return {**model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=loading)}
+
+    def _optimizer_parts(self) -> int:
+        """Megatron builds one Adam without expert parallelism and a dense + expert chain with it."""
+        return len(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    def save_distributed(self, path: Path) -> None:
+        """Megatron distributed checkpoint (torch_dist) of the model and optimizer into the existing
+        directory `path`: every rank writes its shards under global tensor names, so it loads under
+        another TP/PP/VPP/DP layout. Collective: every rank calls it."""
+        import json
+
+        from megatron.core import dist_checkpointing
+
+        dist_checkpointing.save(self._sharded_state(loading=False), str(path))
+        if torch.distributed.get_rank() == 0:
+            (path / "sao_layout.json").write_text(json.dumps({"dims": self.dims.__dict__,
+                                                               "optimizer_parts": self._optimizer_parts()}))
+
+    def load_distributed(self, path: Path) -> None:
+        """Load a save_distributed checkpoint written under any layout with the same expert-parallel
+        kind (EP = 1 or EP > 1: the optimizer's structure differs between the two)."""
+        import json
+
+        from megatron.core import dist_checkpointing
+
+        saved = json.loads((path / "sao_layout.json").read_text())
+        if saved["optimizer_parts"] != self._optimizer_parts():
+            raise ValueError(f"{path} holds an optimizer of {saved['optimizer_parts']} part(s) (saved with ep="
+                             f"{saved['dims']['ep']}), this run builds {self._optimizer_parts()} (ep={self.dims.ep}); "
+                             "fix: resume with expert parallelism on (ep > 1) or off (ep = 1) as it was saved, "
+                             "or start from the weights alone through `sao convert`")
+        loaded = dist_checkpointing.load(self._sharded_state(loading=True), str(path))
+        for i, chunk in enumerate(self.chunks):
+            chunk.module.load_state_dict(loaded[f"model{i}"])
+        self.optimizer.load_state_dict(loaded["optimizer"])
+
     def state_dict_for_checkpoint(self) -> dict:
-        """This rank's model shards and optimizer state (reload under the same parallel layout)."""
+        """This rank's model shards and optimizer state (checkpoint.format = per_rank: same layout only)."""
         return {"model": [c.module.state_dict() for c in self.chunks], "optimizer": self.optimizer.state_dict(),
                 "dims": self.dims.__dict__}
 
     def load_checkpoint(self, state: dict) -> None:
         if state.get("dims") != self.dims.__dict__:
             raise ValueError(f"checkpoint layout {state.get('dims')} differs from this run's {self.dims.__dict__}; "
-                             f"resume with the same parallel layout")
+                             f"resume with the same parallel layout, or save with checkpoint.format = distributed")
         for chunk, sd in zip(self.chunks, state["model"]):
             chunk.module.load_state_dict(sd)
         self.optimizer.load_state_dict(state["optimizer"])

@@ -248,6 +248,9 @@ class CheckpointConfig:
     keep_last: int = doc(2, "Checkpoints kept.")
     resume: str = doc("auto", "auto = latest in the run dir if any; never; or a checkpoint path.")
     save_on_signal: bool = doc(True, "SIGTERM/SIGUSR1 save at the next safe point, then exit cleanly.")
+    format: Literal["distributed", "per_rank"] = doc(
+        "distributed", "Policy/critic state: Megatron distributed checkpoint (resume under another layout) "
+        "or one torch file per rank (resume under the same layout only).")
 
     def check(self, p: str) -> None:
         _require(self.interval >= 0, f"{p}.interval", "< 0", "use 0 or more")

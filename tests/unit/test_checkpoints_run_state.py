@@ -147,12 +147,55 @@ def test_corrupted_checkpoint_refused_naming_file_and_previous(tmp_path, damage)
     assert "\n" not in msg and target.name in msg and "checkpoint.resume=" + str(tmp_path / "step_00000001") in msg
 
 
+class _PerRankModel:
+    """Model state saved one file per rank (checkpoint.format = per_rank)."""
+
+    def __init__(self):
+        self.loaded = None
+
+    def state_dict_for_checkpoint(self):
+        return {"w": torch.ones(2)}
+
+    def load_checkpoint(self, state):
+        self.loaded = state
+
+
+class _ShardedModel:
+    """Model state in a shared directory written by every rank (checkpoint.format = distributed)."""
+    distributed_checkpoint = True
+
+    def __init__(self, rank=0):
+        self.rank, self.loaded_from = rank, None
+
+    def save_distributed(self, path):
+        (path / f"shard{self.rank}.bin").write_bytes(bytes([self.rank]) * 16)
+        (path / "metadata").write_text("layout-independent")
+
+    def load_distributed(self, path):
+        self.loaded_from = sorted(p.name for p in path.iterdir())
+
+
 def test_missing_component_and_world_size_mismatch(tmp_path):
     _save_steps(tmp_path, [1])
     with pytest.raises(CheckpointCorruptError, match=r"no state for component\(s\) \['critic'\]"):
         RunCheckpointer(tmp_path).load({"critic": ValueState(dict, lambda s: None)})
-    with pytest.raises(CheckpointCorruptError, match="saved by 1 ranks, this run has 2"):
-        RunCheckpointer(tmp_path, rank=0, world_size=2).load({"trainer": ValueState(dict, lambda s: None)})
+    RunCheckpointer(tmp_path / "m").save(1, {"policy": _PerRankModel()})
+    with pytest.raises(CheckpointCorruptError, match=r"holds \['policy'\] per rank, saved by 1 ranks, and this run has 2"):
+        RunCheckpointer(tmp_path / "m", rank=1, world_size=2).load({"policy": _PerRankModel()})
+
+
+def test_distributed_components_resume_under_another_world_size(tmp_path):
+    RunCheckpointer(tmp_path).save(3, {"policy": _ShardedModel(), "trainer": ValueState(lambda: {"step": 3}, None)})
+    top = json.loads((tmp_path / "step_00000003" / "manifest.json").read_text())
+    assert top["distributed"] == ["policy"] and set(top["distributed_files"]) == {"policy/shard0.bin", "policy/metadata"}
+    got, model = {}, _ShardedModel(rank=1)
+    RunCheckpointer(tmp_path, rank=1, world_size=2).load({"policy": model, "trainer": ValueState(dict, got.update)})
+    assert model.loaded_from == ["metadata", "shard0.bin"] and got == {"step": 3}   # rank 1 reads rank 0's small state
+    with pytest.raises(CheckpointCorruptError, match="checkpoint.format = distributed"):
+        RunCheckpointer(tmp_path).load({"policy": _PerRankModel()})
+    (tmp_path / "step_00000003" / "policy" / "shard0.bin").write_bytes(b"x" * 16)
+    with pytest.raises(CheckpointCorruptError, match=r"shard0.bin is corrupted"):
+        RunCheckpointer(tmp_path).load({"policy": _ShardedModel()})
 
 
 def test_nothing_to_resume_returns_none(tmp_path):
