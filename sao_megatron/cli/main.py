@@ -22,9 +22,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _is_override(token: str) -> bool:
+    key = token[2:] if token.startswith("--") else token
+    return "=" in key and not key.startswith("-") and "." in key.split("=", 1)[0]
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the command line; dotted overrides may come before or after the options
+    (`sao eval R.toml --checkpoint D eval.k=16` and `sao eval R.toml eval.k=16 --checkpoint D`)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and hasattr(args, "overrides") and all(_is_override(t) for t in extra):
+        args.overrides = list(args.overrides) + extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -162,3 +162,14 @@ def test_help_lists_every_subcommand():
                           text=True, cwd=REPO, timeout=120)
     for name in ["train", "serve", "launch", "convert", "plan", "doctor", "bench", "eval", "init-model"]:
         assert name in proc.stdout
+
+
+def test_overrides_may_follow_options():
+    from sao_megatron.cli.main import parse
+
+    args = parse(["eval", "r.toml", "--checkpoint", "ckpt", "eval.k=16", "--rollout.temperature=0.5"])
+    assert args.checkpoint == "ckpt" and args.overrides == ["eval.k=16", "--rollout.temperature=0.5"]
+    args = parse(["train", "r.toml", "run.seed=3", "--debug", "rollout-only", "run.num_steps=3"])
+    assert args.debug == "rollout-only" and args.overrides == ["run.seed=3", "run.num_steps=3"]
+    with pytest.raises(SystemExit):
+        parse(["train", "r.toml", "--bogus"])
