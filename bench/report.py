@@ -267,7 +267,7 @@ def _online_verdict(table: dict, seeds: int) -> str:
         return ("As measured, and not informative: at no switch did the reward fall below the recovery target, "
                 "so 'recovery' measures noise.")
     ranked = sorted((v["recovery_mean"], m) for m, v in table.items() if not math.isnan(v["recovery_mean"]))
-    text = "As measured: fastest mean recovery " + ", then ".join(f"{m} ({mean:.1f} steps)" for mean, m in ranked) + "."
+    text = "As measured, mean recovery steps (fewest first): " + ", ".join(f"{m} {mean:.1f}" for mean, m in ranked) + "."
     never = [m for m, v in table.items() if v["never_recovered"]]
     if never:
         text += f" Did not recover within a phase at least once: {', '.join(never)}."
