@@ -3,7 +3,10 @@
 Each RLModel (policy, critic) owns its own optimizer and learning rate. Megatron splits parameters
 into dense and expert optimizers (different grad-stat groups) chained together; the grad norm is
 the global L2 norm over both. The distributed optimizer is available (parallel.distributed_optimizer)
-but its checkpoint state does not work on CPU (notes/megatron-cpu.md), so it is meant for GPUs.
+but its checkpoint state does not work on CPU (notes/megatron-cpu.md), so it is meant for GPUs; so is
+optimizer CPU offload (parallel.optimizer_offload: Megatron's HybridDeviceOptimizer keeps Adam state and
+fp32 master weights on the host and steps them with CPU Adam; it cannot run on a CPU-only torch,
+where it is refused in one line).
 
 Step (``guarded_step``): copy main grads -> global grad norm -> if the norm (or the loss) is not
 finite, zero the grads and report ``skipped`` without touching parameters or Adam moments; else
@@ -27,6 +30,7 @@ class OptimSettings:
     clip_grad: float = 1.0
     bf16: bool = False
     distributed: bool = False
+    offload: bool = False          # Adam state + fp32 master on the host (GPU only)
 
 
 def wrap_ddp(chunks: list[torch.nn.Module], config, distributed_optimizer: bool = False) -> list[torch.nn.Module]:
@@ -47,7 +51,8 @@ def build_optimizer(ddp_chunks: list[torch.nn.Module], settings: OptimSettings):
         adam_beta1=settings.beta1, adam_beta2=settings.beta2, adam_eps=settings.eps,
         clip_grad=settings.clip_grad, bf16=settings.bf16,
         params_dtype=torch.bfloat16 if settings.bf16 else torch.float32,
-        use_distributed_optimizer=settings.distributed)
+        use_distributed_optimizer=settings.distributed,
+        optimizer_cpu_offload=settings.offload, optimizer_offload_fraction=1.0 if settings.offload else 0.0)
     return get_megatron_optimizer(config, ddp_chunks)
 
 

@@ -484,7 +484,8 @@ def model_config_of(recipe) -> dict:
 def plan_input_from_recipe(recipe, gpus: int = 0, gpu: str = "h100", **options) -> PlanInput:
     """PlanInput from a loaded recipe. gpus = 0 takes launch.nodes · launch.gpus_per_node.
     `options` sets PlanInput/TrainOptions/EngineOptions fields the recipe has no key for
-    (optimizer_offload, critic_placement, kv_dtype, include_mtp)."""
+    (critic_placement, kv_dtype, include_mtp; optimizer_offload=True also turns on what
+    parallel.optimizer_offload sets)."""
     par, roll, launch = recipe.parallel, recipe.rollout, recipe.launch
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r} is unknown; use one of {', '.join(GPUS)}")
@@ -492,7 +493,7 @@ def plan_input_from_recipe(recipe, gpus: int = 0, gpu: str = "h100", **options) 
     gpus = gpus or launch.nodes * per_node
     train = TrainOptions(dtype=recipe.model.dtype, recompute=recipe.model.recompute,
                          micro_batch_tokens=par.micro_batch_tokens, distributed_optimizer=par.distributed_optimizer,
-                         optimizer_offload=options.pop("optimizer_offload", False))
+                         optimizer_offload=options.pop("optimizer_offload", False) or par.optimizer_offload)
     engine = EngineOptions(tp=roll.engine_tp, ep=roll.engine_ep, dp_attention=roll.engine_dp_attention,
                            mem_fraction=roll.mem_fraction, fp8_weights=roll.engine_fp8,
                            kv_dtype=options.pop("kv_dtype", "bf16"), include_mtp=options.pop("include_mtp", False))
@@ -501,7 +502,7 @@ def plan_input_from_recipe(recipe, gpus: int = 0, gpu: str = "h100", **options) 
                      rollout_gpus=launch.rollout_nodes * per_node, layout=layout, train=train, engine=engine,
                      critic=recipe.critic.enabled, freeze_attention=recipe.critic.freeze_attention,
                      sequence_tokens=roll.max_prompt_len + roll.max_new_tokens, max_in_flight=roll.max_in_flight,
-                     **options)
+                     **{"critic_placement": recipe.critic.placement, **options})
 
 
 OPTION_LADDER = [  # tried in order when the recipe's own settings fit no layout

@@ -26,6 +26,7 @@ from .dims import ParallelDims
 from .distributed import comm_device
 from .hf_mapping import HFMapping
 from .logprobs import token_logprobs_from_logits
+from .offload import ModelParking
 from .optimizer import OptimSettings, build_optimizer, current_lr, guarded_step, loss_is_finite, wrap_ddp
 from .packing import split_by_token_budget
 from .routing_replay import RouteReplayer
@@ -44,6 +45,7 @@ class RLModel:
         self.seq_multiple = dims.tp if dims.sequence_parallel else 1
         self.replayer = RouteReplayer([c.module for c in chunks], model_build.moe_layer_pattern(config),
                                       self.shape.top_k, dims.sequence_parallel)
+        self.parking = ModelParking(self)
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
@@ -51,6 +53,7 @@ class RLModel:
         """Model + optimizer of this rank under recipe.parallel (initialises process groups if needed)."""
         if role not in ROLES:
             raise ValueError(f"RLModel role {role!r}; use 'policy' or 'critic'")
+        _refuse_gpu_only_options(recipe)
         hf = model_build.read_hf_config(recipe.model.path)
         dims = _setup_groups(recipe, specs.arch_shape(hf))
         dtype = torch.bfloat16 if recipe.model.dtype == "bf16" else torch.float32
@@ -65,16 +68,12 @@ class RLModel:
         chunks = model_build.build_chunks(hf, config, critic, recipe.model.transformer_impl, recipe.model.max_seq_len)
         if critic and recipe.critic.freeze_attention:
             model_build.freeze_attention(chunks)
-        if (recipe.parallel.distributed_optimizer and recipe.checkpoint.format == "distributed"
-                and not torch.cuda.is_available()):
-            raise ValueError("parallel.distributed_optimizer with checkpoint.format = 'distributed' needs CUDA: "
-                             "megatron-core 0.16.1 saves distributed-optimizer state wrongly on CPU; "
-                             "fix: set checkpoint.format = 'per_rank' (same-layout resume) on CPU")
         ddp = wrap_ddp(chunks, config, recipe.parallel.distributed_optimizer)
         algo = recipe.algorithm
         settings = OptimSettings(lr=recipe.critic.lr if critic else algo.lr, weight_decay=algo.weight_decay,
                                  beta1=algo.adam_beta1, beta2=algo.adam_beta2, clip_grad=algo.grad_clip,
-                                 bf16=dtype == torch.bfloat16, distributed=recipe.parallel.distributed_optimizer)
+                                 bf16=dtype == torch.bfloat16, distributed=recipe.parallel.distributed_optimizer,
+                                 offload=recipe.parallel.optimizer_offload)
         return cls(role, recipe, hf, dims, config, ddp, build_optimizer(ddp, settings), algo.grad_clip)
 
     @property
@@ -93,6 +92,7 @@ class RLModel:
     def load_hf_state_dict(self, hf_tensors: Mapping[str, torch.Tensor]) -> None:
         """Full HF (on-disk names) state dict -> this rank's shards. The critic skips lm_head and keeps
         its value head; with critic.init_from_policy = false the critic keeps its random init."""
+        self.parking.unpark()
         if self.role == "critic" and not self.recipe.critic.init_from_policy:
             return
         skip = ("output_layer.",) if self.role == "critic" else ()
@@ -103,6 +103,7 @@ class RLModel:
         """Full HF-named tensors, gathered over TP/EP (and PP with scope="all"), yielded on every rank
         in the same order; scope="stage" yields only this pipeline stage's tensors, on its ranks.
         The critic yields its backbone and ``value_head.weight``."""
+        self.parking.unpark()
         yield from export_hf_tensors(self.modules, self._mapping(), value_head=self.role == "critic", scope=scope)
 
     # -- forward -----------------------------------------------------------------------------------
@@ -133,6 +134,7 @@ class RLModel:
 
     def compute_logprobs(self, batches: list[TrainBatch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per batch (logp [rows, seq], entropy [rows, seq]); no grad; replayed routes when given."""
+        self.parking.unpark()
         self._require_role("policy", "compute_logprobs")
 
         def on_output(i, batch, logits):
@@ -145,6 +147,7 @@ class RLModel:
 
     def compute_values(self, batches: list[TrainBatch]) -> list[torch.Tensor]:
         """Critic values [rows, seq] per batch (value at t from the hidden state at t-1; 0 at t=0)."""
+        self.parking.unpark()
         self._require_role("critic", "compute_values")
 
         def on_output(i, batch, raw):
@@ -157,6 +160,7 @@ class RLModel:
     # -- training ----------------------------------------------------------------------------------
     def train_step(self, batches: list[TrainBatch], loss_fn: Callable[[TrainBatch, dict], LossOutputs]) -> dict[str, float]:
         """Forward-backward over the micro-batches, then one optimizer step (skipped if non-finite)."""
+        self.parking.unpark()
         for chunk in self.chunks:
             chunk.train()
             chunk.zero_grad_buffer()
@@ -193,6 +197,15 @@ class RLModel:
         if self.role != role:
             raise TypeError(f"RLModel.{what} needs the {role} model; this is the {self.role}")
 
+    # -- swap (critic.placement = swap) ----------------------------------------------------------------
+    def park(self) -> None:
+        """Move weights, grad buffers and optimizer state to host memory (see parallel/offload.py);
+        any later call that needs the model brings it back first."""
+        self.parking.park()
+
+    def unpark(self) -> None:
+        self.parking.unpark()
+
     # -- checkpoint ----------------------------------------------------------------------------------
     @property
     def distributed_checkpoint(self) -> bool:
@@ -211,6 +224,7 @@ class RLModel:
         """Megatron distributed checkpoint (torch_dist) of the model and optimizer into the existing
         directory `path`: every rank writes its shards under global tensor names, so it loads under
         another TP/PP/VPP/DP layout. Collective: every rank calls it."""
+        self.parking.unpark()
         import json
 
         from megatron.core import dist_checkpointing
@@ -223,6 +237,7 @@ class RLModel:
     def load_distributed(self, path: Path) -> None:
         """Load a save_distributed checkpoint written under any layout with the same expert-parallel
         kind (EP = 1 or EP > 1: the optimizer's structure differs between the two)."""
+        self.parking.unpark()
         import json
 
         from megatron.core import dist_checkpointing
@@ -240,16 +255,31 @@ class RLModel:
 
     def state_dict_for_checkpoint(self) -> dict:
         """This rank's model shards and optimizer state (checkpoint.format = per_rank: same layout only)."""
+        self.parking.unpark()
         return {"model": [c.module.state_dict() for c in self.chunks], "optimizer": self.optimizer.state_dict(),
                 "dims": self.dims.__dict__}
 
     def load_checkpoint(self, state: dict) -> None:
+        self.parking.unpark()
         if state.get("dims") != self.dims.__dict__:
             raise ValueError(f"checkpoint layout {state.get('dims')} differs from this run's {self.dims.__dict__}; "
                              f"resume with the same parallel layout, or save with checkpoint.format = distributed")
         for chunk, sd in zip(self.chunks, state["model"]):
             chunk.module.load_state_dict(sd)
         self.optimizer.load_state_dict(state["optimizer"])
+
+
+def _refuse_gpu_only_options(recipe) -> None:
+    """One-line errors, before any process group, for options that need CUDA."""
+    if torch.cuda.is_available():
+        return
+    if recipe.parallel.optimizer_offload:
+        raise ValueError("parallel.optimizer_offload needs CUDA (it moves Adam state from the GPU to the host); "
+                         "fix: set parallel.optimizer_offload = false on CPU")
+    if recipe.parallel.distributed_optimizer and recipe.checkpoint.format == "distributed":
+        raise ValueError("parallel.distributed_optimizer with checkpoint.format = 'distributed' needs CUDA: "
+                         "megatron-core 0.16.1 saves distributed-optimizer state wrongly on CPU; "
+                         "fix: set checkpoint.format = 'per_rank' (same-layout resume) on CPU")
 
 
 def _setup_groups(recipe, shape) -> ParallelDims:

@@ -13,7 +13,7 @@ def register(sub) -> None:
     parser.add_argument("--gpus", type=int, default=0, help="GPUs in the allocation (default launch.nodes x launch.gpus_per_node)")
     parser.add_argument("--gpu", default="h100", choices=["h100", "h200"], help="GPU model")
     parser.add_argument("--optimizer-offload", action="store_true", help="Adam state and fp32 master on the host (CPU Adam)")
-    parser.add_argument("--critic-placement", default="shared", choices=["shared", "swap"],
+    parser.add_argument("--critic-placement", default=None, choices=["shared", "swap"],
                         help="shared: policy and critic resident together; swap: only the model being updated")
     parser.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8"], help="engine KV cache dtype")
     parser.add_argument("--suggest", type=int, default=5, help="how many fitting layouts to list")
@@ -25,8 +25,9 @@ def run(args) -> int:
     from sao_megatron.config import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides, check_files=False)
+    placement = {"critic_placement": args.critic_placement} if args.critic_placement else {}   # else the recipe's
     inp = plan_input_from_recipe(recipe, args.gpus, args.gpu, optimizer_offload=args.optimizer_offload,
-                                 critic_placement=args.critic_placement, kv_dtype=args.kv_cache_dtype)
+                                 kv_dtype=args.kv_cache_dtype, **placement)
     plan = make_plan(inp)
     print(render_plan(plan, recipe.model.shape_preset or recipe.model.path))
     suggestions, used = [], {}

@@ -77,6 +77,8 @@ class ParallelConfig:
     micro_batch_tokens: int = doc(4096, "Token budget of one packed micro-batch.")
     dispatcher: Literal["alltoall", "allgather"] = doc("alltoall", "MoE token dispatcher.")
     distributed_optimizer: bool = doc(False, "Megatron distributed optimizer (GPU).")
+    optimizer_offload: bool = doc(False, "Adam state and fp32 master weights on the host, updated by CPU Adam "
+                                         "(Megatron's HybridDeviceOptimizer; GPU only, needs distributed_optimizer).")
     launcher: Literal["auto", "torchrun", "mpirun", "none"] = doc(
         "auto", "How `sao train` starts ranks on one machine when world_size > 1.")
 
@@ -91,6 +93,8 @@ class ParallelConfig:
                  f"{self.micro_batch_tokens} is too small", "use at least model.max_seq_len tokens")
         _require(self.vpp == 1 or self.pp > 1, f"{p}.vpp", "virtual pipeline needs pp > 1",
                  "set parallel.pp > 1 or parallel.vpp = 1")
+        _require(not self.optimizer_offload or self.distributed_optimizer, f"{p}.optimizer_offload",
+                 "needs the distributed optimizer", "set parallel.distributed_optimizer = true")
 
     def resolved_world_size(self) -> int:
         base = self.tp * self.pp * self.cp
@@ -216,6 +220,9 @@ class CriticConfig:
     init_from_policy: bool = doc(True, "Initialise the critic backbone from the policy weights.")
     value_clip: Optional[float] = doc(None, "Value clipping range (None = plain masked MSE).")
     pretrain_steps: int = doc(0, "Value pretraining steps on the initial policy before training.")
+    placement: Literal["shared", "swap"] = doc(
+        "shared", "shared: policy and critic both stay in device memory; swap: they take turns, the idle one "
+        "parked in host memory (weights, grads, optimizer state; parallel/offload.py).")
 
     def check(self, p: str) -> None:
         _require(self.lr > 0, f"{p}.lr", f"{self.lr} <= 0", "use 5e-6")

@@ -67,6 +67,7 @@ class Trainer:
         resp = response_tensors(samples)
         seq_values = None
         if self.services.critic is not None:
+            await self.make_resident("critic")
             probe = build_train_batches(samples, torch.zeros_like(resp.mask), None,
                                         self.recipe.parallel.micro_batch_tokens)
             seq_values = _rows_by_uid(probe, await self.on_model_thread(self.services.critic.compute_values, probe))
@@ -91,6 +92,7 @@ class Trainer:
 
     async def update_policy(self, batches) -> dict:
         policy, algo = self.services.policy, self.recipe.algorithm
+        await self.make_resident("policy")
         if algo.loss != "dis" and algo.mini_batches > 1:  # PPO-style losses need pi_old before any update
             for batch, (logp, _) in zip(batches, await self.on_model_thread(policy.compute_logprobs, batches)):
                 batch.old_logprobs = logp
@@ -100,6 +102,13 @@ class Trainer:
             _rescale(part)
             stats = await self.on_model_thread(policy.train_step, self.services.my_share(part), loss_fn)
         return steps.prefixed("train", stats)
+
+    async def make_resident(self, role: str) -> None:
+        """critic.placement = swap: park the other model in host memory (it comes back when next used)."""
+        if self.recipe.critic.placement != "swap" or self.services.critic is None:
+            return
+        other = self.services.policy if role == "critic" else self.services.critic
+        await self.on_model_thread(other.park)
 
     async def pretrain_value_model(self) -> None:
         """Value pretraining on the initial policy's rollouts (critic only, weights never change)."""

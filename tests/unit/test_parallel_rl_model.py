@@ -151,3 +151,61 @@ def test_frozen_attention_critic(observed):
     losses = observed["value_losses"]
     assert losses[-1] < losses[0] and all(b < a for a, b in zip(losses, losses[1:]))
     assert observed["values_shape"] == [(2, 12), (2, 12)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only refusals")
+def test_gpu_only_optimizer_options_are_one_line_errors_on_cpu(tiny_model_dir):
+    from parallel import layout_check as lc
+    from parallel.rl_model import RLModel
+    from sao_megatron.config import ConfigError
+
+    recipe = lc.make_recipe(tiny_model_dir, {"distributed_optimizer": True, "optimizer_offload": True})
+    with pytest.raises(ValueError, match=r"^parallel.optimizer_offload needs CUDA .*fix: set parallel.optimizer_offload = false"):
+        RLModel.build(recipe, "policy")
+    recipe = lc.make_recipe(tiny_model_dir, {"distributed_optimizer": True})
+    recipe.checkpoint.format = "distributed"
+    with pytest.raises(ValueError, match=r"fix: set checkpoint.format = 'per_rank'"):
+        RLModel.build(recipe, "policy")
+    recipe.parallel = replace(recipe.parallel, distributed_optimizer=False, optimizer_offload=True)
+    with pytest.raises(ConfigError, match="parallel.optimizer_offload.*distributed_optimizer = true"):
+        recipe.parallel.check("parallel")
+
+
+def _park_between_steps(model_dir: str, park: bool) -> dict:
+    from safetensors.torch import load_file
+
+    from parallel import layout_check as lc
+    from parallel.distributed import teardown_model_parallel
+    from parallel.rl_model import RLModel
+
+    hf = load_file(f"{model_dir}/model.safetensors")
+    out = {}
+    for role, loss in (("critic", lc.value_loss), ("policy", lc.policy_gradient_loss)):
+        teardown_model_parallel()
+        recipe = lc.make_recipe(model_dir, {}, lr=1e-2)   # the critic keeps attention frozen (not in DDP buffers)
+        model = RLModel.build(recipe, role)
+        model.load_hf_state_dict(hf)
+        batches = lc.fixed_batches(105, num=4, seq=12)
+        steps = [model.train_step(batches[:2], loss)]
+        freed = None
+        if park:
+            model.park()
+            freed = (model.parking.parked_bytes,
+                     all(p.untyped_storage().nbytes() == 0 for c in model.modules for p in c.parameters()))
+        steps.append(model.train_step(batches[2:], loss))   # brings the model back first
+        out[role] = {"steps": [(m["loss"], m["grad_norm"]) for m in steps], "freed": freed,
+                     "weights": {n: t.clone() for n, t in model.export_hf()}}
+    teardown_model_parallel()
+    return out
+
+
+def test_parking_frees_the_model_and_restores_it_bit_for_bit(tiny_model_dir):
+    """critic.placement = swap: a parked model holds no storage; the next step brings weights, DDP
+    buffers and Adam state back exactly (same losses, grad norms and weights as never parking)."""
+    ref = run_distributed_test(_park_between_steps, world_size=1, timeout_s=600, args=(str(tiny_model_dir), False))[0]
+    got = run_distributed_test(_park_between_steps, world_size=1, timeout_s=600, args=(str(tiny_model_dir), True))[0]
+    for role in ("critic", "policy"):
+        parked_bytes, all_freed = got[role]["freed"]
+        assert parked_bytes > 3 * sum(t.numel() * t.element_size() for t in ref[role]["weights"].values()) and all_freed
+        assert got[role]["steps"] == ref[role]["steps"]
+        assert all(torch.equal(got[role]["weights"][n], t) for n, t in ref[role]["weights"].items())
