@@ -484,8 +484,8 @@ def model_config_of(recipe) -> dict:
 def plan_input_from_recipe(recipe, gpus: int = 0, gpu: str = "h100", **options) -> PlanInput:
     """PlanInput from a loaded recipe. gpus = 0 takes launch.nodes · launch.gpus_per_node.
     `options` sets PlanInput/TrainOptions/EngineOptions fields the recipe has no key for
-    (critic_placement, kv_dtype, include_mtp; optimizer_offload=True also turns on what
-    parallel.optimizer_offload sets)."""
+    (critic_placement, kv_dtype, include_mtp) or overrides the recipe's (optimizer_offload,
+    critic_placement: parallel.optimizer_offload and critic.placement)."""
     par, roll, launch = recipe.parallel, recipe.rollout, recipe.launch
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r} is unknown; use one of {', '.join(GPUS)}")
@@ -493,7 +493,9 @@ def plan_input_from_recipe(recipe, gpus: int = 0, gpu: str = "h100", **options) 
     gpus = gpus or launch.nodes * per_node
     train = TrainOptions(dtype=recipe.model.dtype, recompute=recipe.model.recompute,
                          micro_batch_tokens=par.micro_batch_tokens, distributed_optimizer=par.distributed_optimizer,
-                         optimizer_offload=options.pop("optimizer_offload", False) or par.optimizer_offload)
+                         optimizer_offload=par.optimizer_offload if options.get("optimizer_offload") is None
+                         else options.pop("optimizer_offload"))
+    options.pop("optimizer_offload", None)
     engine = EngineOptions(tp=roll.engine_tp, ep=roll.engine_ep, dp_attention=roll.engine_dp_attention,
                            mem_fraction=roll.mem_fraction, fp8_weights=roll.engine_fp8,
                            kv_dtype=options.pop("kv_dtype", "bf16"), include_mtp=options.pop("include_mtp", False))

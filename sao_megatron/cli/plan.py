@@ -12,9 +12,11 @@ def register(sub) -> None:
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. parallel.tp=8")
     parser.add_argument("--gpus", type=int, default=0, help="GPUs in the allocation (default launch.nodes x launch.gpus_per_node)")
     parser.add_argument("--gpu", default="h100", choices=["h100", "h200"], help="GPU model")
-    parser.add_argument("--optimizer-offload", action="store_true", help="Adam state and fp32 master on the host (CPU Adam)")
+    parser.add_argument("--optimizer-offload", action="store_true", default=None,
+                        help="Adam state and fp32 master on the host (CPU Adam); default: parallel.optimizer_offload")
     parser.add_argument("--critic-placement", default=None, choices=["shared", "swap"],
-                        help="shared: policy and critic resident together; swap: only the model being updated")
+                        help="shared: policy and critic resident together; swap: only the model being updated "
+                             "(default: critic.placement)")
     parser.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", "fp8"], help="engine KV cache dtype")
     parser.add_argument("--suggest", type=int, default=5, help="how many fitting layouts to list")
     parser.set_defaults(func=run)

@@ -129,8 +129,13 @@ def test_750b_slime_layout_fits_256_h100_trainers_with_offload_and_swap():
     assert plan.fits and plan.peak < 60 * GIB
 
 
-def test_750b_does_not_fit_with_both_models_and_adam_on_the_gpu():
+def test_750b_recipe_fits_as_written_with_offload_and_swap():
     plan = make_plan(_glm5_input(320))
+    assert plan.inp.train.optimizer_offload and plan.inp.critic_placement == "swap" and plan.fits
+
+
+def test_750b_does_not_fit_with_both_models_and_adam_on_the_gpu():
+    plan = make_plan(_glm5_input(320, optimizer_offload=False, critic_placement="shared"))
     assert not plan.fits and plan.peak > 140 * GIB
 
 
@@ -141,7 +146,7 @@ def test_750b_too_small_allocation_has_no_layout():
 
 
 def test_search_returns_only_fitting_layouts():
-    plans = search_layouts(_glm5_input(320, critic_placement="swap"))
+    plans = search_layouts(_glm5_input(320, optimizer_offload=False, critic_placement="swap"))
     assert plans and all(p.fits and p.peak <= p.capacity for p in plans)
 
 
@@ -149,10 +154,10 @@ def test_sao_plan_cli_exit_codes(capsys):
     from sao_megatron.cli.main import main
 
     recipe = str(RECIPES / "glm5_750b_a40b.toml")
-    assert main(["plan", recipe, "--gpu", "h100"]) == 1
+    assert main(["plan", recipe, "--gpu", "h100", "parallel.optimizer_offload=false", "critic.placement='shared'"]) == 1
     out = capsys.readouterr().out
     assert "verdict: DOES NOT FIT" in out and "layouts that fit (needs critic placement = swap)" in out
-    assert main(["plan", recipe, "--optimizer-offload", "--critic-placement", "swap"]) == 0
+    assert main(["plan", recipe, "--gpu", "h100"]) == 0     # the recipe's own offload + swap
     assert "verdict: FITS" in capsys.readouterr().out
 
 
