@@ -6,10 +6,14 @@ too, so group baselines get as many steps as SAO's warm-up plus policy steps. Re
 """
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
+from typing import Optional
 
 from bench.training_runs import final_and_auc, mean_std, plot_curves, series, train_run
 
+TASKS = ["arithmetic", "copy"]
 GROUP = ["rollout.n_samples_per_prompt=4"]
 ALGORITHMS = {
     "sao": ["algorithm.name='sao'"],
@@ -27,16 +31,29 @@ def budget_overrides(name: str, steps: int, warmup: int) -> list[str]:
     return [f"run.num_steps={steps + warmup}"]
 
 
-def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False) -> dict:
+def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False,
+        tasks: Optional[list[str]] = None) -> dict:
     """quick: CI smoke (2 runs); default: arithmetic, 5 algorithms x 3 seeds x 60 steps;
-    full: arithmetic and copy, 5 algorithms x 3 seeds x 150 steps."""
-    tasks = ["arithmetic", "copy"] if full else ["arithmetic"]
+    full: arithmetic and copy, 5 algorithms x 3 seeds x 150 steps.
+
+    `tasks` runs only those tasks (same sizes) and keeps the other tasks' rows of an existing
+    out_dir/algorithms.json measured with the same steps and seeds; `task_runs` records which command,
+    machine and wall time produced each task's rows."""
+    explicit = tasks is not None
+    keep = {} if not explicit or quick else _previous(out_dir / "algorithms.json", full)
+    tasks = tasks or (["arithmetic", "copy"] if full else ["arithmetic"])
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"bench algorithms: unknown task(s) {unknown}; use {TASKS}")
     algos = ["sao", "grpo"] if quick else list(ALGORITHMS)
     seeds = [1] if quick else [1, 2, 3]
     steps, warmup = (2, 1) if quick else ((150, 3) if full else (60, 3))
     work = out_dir / "runs_algorithms"
-    table, curves = {}, {}
+    table = {k: v for k, v in keep.get("table", {}).items() if k.split("/")[0] not in tasks}
+    curves = {k: v for k, v in keep.get("curves", {}).items() if k not in tasks}
+    task_runs = {k: v for k, v in keep.get("task_runs", {}).items() if k not in tasks}
     for task in tasks:
+        started = time.perf_counter()
         for algo in algos:
             finals, aucs, runs = [], [], []
             for seed in seeds:
@@ -51,6 +68,9 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
             table[f"{task}/{algo}"] = {"final_mean": fm, "final_std": fs, "auc_mean": am, "auc_std": as_,
                                        "seeds": seeds, "samples_per_run": None}
             curves.setdefault(task, {})[algo] = runs
+        task_runs[task] = {"command": "sao bench algorithms" + (" --quick" if quick else "") + (" --full" if full else "")
+                           + (f" --tasks {','.join(tasks)}" if explicit else ""),
+                           "wall_s": time.perf_counter() - started, "date": time.strftime("%Y-%m-%d")}
     for task, per_algo in curves.items():
         plot_curves(per_algo, f"{task}: reward per step (mean +- std, {len(seeds)} seeds)",
                     out_dir / f"algorithms_{task}.png")
@@ -58,4 +78,19 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
     for key, row in table.items():
         lines.append(f"{key:24s} {row['final_mean']:8.3f} +- {row['final_std']:.3f}   "
                      f"{row['auc_mean']:8.3f} +- {row['auc_std']:.3f}")
-    return {"table": table, "curves": curves, "summary": "\n".join(lines), "steps": steps, "warmup": warmup}
+    return {"table": table, "curves": curves, "summary": "\n".join(lines), "steps": steps, "warmup": warmup,
+            "task_runs": task_runs}
+
+
+def _previous(path: Path, full: bool) -> dict:
+    """An earlier result to extend, when it was measured with the same sizes (else nothing is kept)."""
+    if not path.is_file():
+        return {}
+    old = json.loads(path.read_text())
+    steps = 150 if full else 60
+    if old.get("quick") or old.get("steps") != steps or bool(old.get("full")) != full:
+        return {}
+    if "task_runs" not in old:   # written before per-task provenance: all its tasks came from its command
+        old["task_runs"] = {key.split("/")[0]: {"command": old.get("command", ""), "wall_s": old.get("wall_s")}
+                            for key in old.get("table", {})}
+    return old

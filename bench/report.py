@@ -201,6 +201,11 @@ def _algorithms(r: dict, link) -> str:
     tasks = sorted({key.split("/")[0] for key in table})
     out += [link(f"algorithms_{task}.png", f"algorithms {task}") for task in tasks]
     out += [_algorithms_verdict(table, task) for task in tasks]
+    runs = r.get("task_runs", {})
+    if runs:
+        out.append("Rows per task came from: " + "; ".join(
+            f"`{task}`: `{v.get('command', '?')}`" + (f" ({v['wall_s']:.0f} s)" if isinstance(v.get("wall_s"), (int, float)) else "")
+            for task, v in sorted(runs.items())) + ".")
     if not r.get("full"):
         out.append("The `--full` version (more tasks and steps, see bench/algorithms.py) was not run.")
     return "\n\n".join(x for x in out if x)

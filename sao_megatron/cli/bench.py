@@ -15,6 +15,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 BENCHES = ["demo", "engine", "pipeline", "weight_sync", "parallel", "algorithms", "stability", "online"]
 
@@ -26,6 +27,9 @@ def register(sub) -> None:
     parser.add_argument("--quick", action="store_true", help="a small version for CI (well under a minute each)")
     parser.add_argument("--full", action="store_true",
                         help="the paper-scale version where a benchmark has one (hours on 2 CPU cores)")
+    parser.add_argument("--tasks", default=None,
+                        help="comma-separated tasks for benchmarks that take them (algorithms: arithmetic,copy); "
+                             "rows of other tasks already in NAME.json with the same sizes are kept")
     parser.add_argument("--out-dir", default=None,
                         help="where NAME.json (and NAME.png) go (default results/, or runs/bench-quick with --quick)")
     parser.set_defaults(func=run)
@@ -51,7 +55,7 @@ def machine() -> dict:
             "torch": torch.__version__, "megatron_core": version("megatron-core")}
 
 
-def run_one(name: str, quick: bool, out_dir: Path, full: bool = False) -> dict:
+def run_one(name: str, quick: bool, out_dir: Path, full: bool = False, tasks: Optional[list[str]] = None) -> dict:
     module = importlib.import_module(f"bench.{name.replace('-', '_')}")
     started = time.perf_counter()
     kwargs = {"quick": quick}
@@ -60,13 +64,16 @@ def run_one(name: str, quick: bool, out_dir: Path, full: bool = False) -> dict:
         kwargs["out_dir"] = out_dir  # benchmarks that draw a PNG put it beside the JSON
     if full and "full" in params:
         kwargs["full"] = True
+    if tasks and "tasks" in params:
+        kwargs["tasks"] = tasks
     result = module.run(**kwargs)
     result.setdefault("bench", name)
     result["quick"] = quick
     result["full"] = full and "full" in params
     result["machine"] = machine()
     result["wall_s"] = time.perf_counter() - started
-    result["command"] = f"sao bench {name}" + (" --quick" if quick else "") + (" --full" if result["full"] else "")
+    result["command"] = (f"sao bench {name}" + (" --quick" if quick else "") + (" --full" if result["full"] else "")
+                         + (f" --tasks {','.join(tasks)}" if tasks and "tasks" in params else ""))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps(result, indent=2, default=float))
     return result
@@ -80,7 +87,8 @@ def run(args) -> int:
     failed = []
     for name in names:
         try:
-            result = run_one(name, args.quick, out_dir, full=args.full)
+            result = run_one(name, args.quick, out_dir, full=args.full,
+                             tasks=args.tasks.split(",") if args.tasks else None)
         except Exception as err:  # one failed benchmark must not hide the others' results
             failed.append(name)
             print(f"bench {name}: FAILED: {type(err).__name__}: {err}", file=sys.stderr)
