@@ -200,7 +200,7 @@ def _algorithms(r: dict, link) -> str:
            _table(["task/algorithm", "final reward", "AUC"], rows)]
     tasks = sorted({key.split("/")[0] for key in table})
     out += [link(f"algorithms_{task}.png", f"algorithms {task}") for task in tasks]
-    out += [_algorithms_verdict(table, task) for task in tasks]
+    out += [_algorithms_verdict(table, task, r.get("curves", {}).get(task, {})) for task in tasks]
     runs = r.get("task_runs", {})
     if runs:
         out.append("Rows per task came from: " + "; ".join(
@@ -211,7 +211,7 @@ def _algorithms(r: dict, link) -> str:
     return "\n\n".join(x for x in out if x)
 
 
-def _algorithms_verdict(table: dict, task: str) -> str:
+def _algorithms_verdict(table: dict, task: str, curves: Optional[dict] = None) -> str:
     rows = {k.split("/")[1]: v for k, v in table.items() if k.startswith(task + "/")}
     ranked = sorted(rows, key=lambda a: rows[a]["final_mean"], reverse=True)
     order = " > ".join(f"{a} ({rows[a]['final_mean']:.3f})" for a in ranked)
@@ -224,6 +224,12 @@ def _algorithms_verdict(table: dict, task: str) -> str:
                  f"ordering (SAO first)"
                  + (", though the gap to the best is within one std over seeds." if within else ".")
                  + " The demo section shows what the tiny model learns at this scale.")
+    finals = [v["final_mean"] for v in rows.values()]
+    if len(finals) > 1 and max(finals) - min(finals) <= max(v["final_std"] for v in rows.values()):
+        text += " All methods are within one std over seeds of each other: no difference is measured."
+    starts = [x for runs in (curves or {}).values() for run in runs for x in run[:5]]
+    if starts:
+        text += f" For scale: the mean reward of the first 5 steps, over all runs, is {sum(starts) / len(starts):.3f}."
     return text
 
 
