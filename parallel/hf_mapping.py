@@ -72,9 +72,6 @@ class HFMapping:
                                f"{self.spec.arch} name map (checkpoints/name_map.py)")
         return self._rules[name]
 
-    def hf_names(self, local_name: str) -> list[str]:
-        return list(self.rule(local_name).hf)
-
     def full_tensor(self, rule: Rule, hf: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The full (unsharded, unpadded) Megatron tensor of `rule` from HF tensors."""
         try:
