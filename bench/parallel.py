@@ -11,16 +11,20 @@ both ranks share the same cores, so the ratio measures parallel overhead (collec
 all-to-all), not the speed-up a GPU node gives.
 
 Memory, per rank, compared with parallel/planner.py's model_memory for the same layout (fp32, no
-recompute, one micro-batch of rows x seq tokens in flight, no distributed optimizer):
+recompute, one micro-batch of rows x seq tokens in flight, no distributed optimizer, and the kernels
+the model was built with: Megatron's local spec on CPU, Transformer Engine on GPUs):
 - state: bytes of the parameters + Megatron main-grad buffers + optimizer state (Adam m, v, step)
   actually allocated after the warm-up step, summed over tensor storages deduplicated by data pointer
   -> predicted weights + gradients + optimizer;
-- activations: growth of the process's peak RSS (VmHWM, reset through /proc/self/clear_refs after
-  malloc_trim, so freed memory of earlier steps is not counted as free headroom) during each timed
-  step's forward and backward passes (up to the optimizer's prepare_grads call), the largest over
-  the steps -> predicted activations. On CPU this also holds autograd and allocator temporaries the
-  planner does not model; the ratio is reported as measured, not asserted. The whole step's growth
-  (adding the optimizer step's temporaries) is recorded beside it.
+- activations: bytes autograd saves for backward during one micro-batch's forward (saved-tensor
+  hooks; storages deduplicated, parameters excluded), the largest micro-batch of an extra untimed
+  step -> predicted activations (what the planner's activation term counts);
+- peak: state + growth of the process's peak RSS (VmHWM, reset through /proc/self/clear_refs after
+  malloc_trim) during each timed step's forward and backward passes, up to the optimizer's
+  prepare_grads call -> predicted state + activations. On CPU the RSS growth also holds backward's
+  temporaries (activation grads, per-parameter grads before they reach the main-grad buffer) and the
+  allocator's cache, which the planner leaves to its fixed runtime reserve; reported, not a target.
+  The whole step's RSS growth (adding the optimizer step's temporaries) is recorded beside it.
 """
 from __future__ import annotations
 
@@ -90,6 +94,43 @@ def _peak_growth(model, step) -> dict:
     return {"forward_backward": (marks["forward_backward"] - before) * 1024, "whole_step": (peak - before) * 1024}
 
 
+def saved_activation_bytes(model, step) -> int:
+    """Largest bytes autograd saves for backward during one micro-batch's forward while `step()` runs
+    (storages deduplicated, parameters excluded). A forward pre-hook on the first model chunk starts
+    each micro-batch's count: right for layouts with one micro-batch in flight (no pipeline)."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for m in model.modules for p in m.parameters()}
+    current: dict[int, int] = {}
+    largest = [0]
+
+    def new_micro_batch(*_):
+        largest[0] = max(largest[0], sum(current.values()))
+        current.clear()
+
+    def pack(t):
+        if isinstance(t, torch.Tensor) and t.numel():
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params:
+                current[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    handle = model.modules[0].register_forward_pre_hook(new_micro_batch)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            step()
+    finally:
+        handle.remove()
+    new_micro_batch()
+    return largest[0]
+
+
+def kernels_of(model) -> str:
+    """'te' when the model was built from Transformer Engine modules, else 'local'."""
+    names = {type(mod).__name__ for m in model.modules for mod in m.modules()}
+    return "te" if any(n.startswith("TE") for n in names) else "local"
+
+
 def _measure_layout(model_dir: str, name: str, hf_tensors: dict, batches: list, steps: int) -> dict:
     from parallel import layout_check as lc
     from parallel.distributed import teardown_model_parallel
@@ -106,7 +147,9 @@ def _measure_layout(model_dir: str, name: str, hf_tensors: dict, batches: list, 
             start = time.perf_counter()
             growth.append(_peak_growth(model, lambda: model.train_step(local, lc.policy_gradient_loss)))
             times.append(time.perf_counter() - start)
+        saved = saved_activation_bytes(model, lambda: model.train_step(local, lc.policy_gradient_loss))
         return {"seconds_per_step": sum(times) / len(times), "state": state_bytes(model),
+                "saved_activations": saved, "kernels": kernels_of(model),
                 "peak_rss_growth": {k: max(g[k] for g in growth) for k in growth[0]}}
     finally:
         teardown_model_parallel()
@@ -125,7 +168,7 @@ def _measure(model_dir: str, names: list[str], steps: int, num: int, seq: int) -
     return {name: _measure_layout(model_dir, name, hf_tensors, batches, steps) for name in names}
 
 
-def predicted(cfg: dict, name: str, world: int, micro_batch_tokens: int) -> dict:
+def predicted(cfg: dict, name: str, world: int, micro_batch_tokens: int, seq_len: int, kernels: str) -> dict:
     """planner.model_memory for layout `name` as layout_check builds it (fp32 policy, plain Adam)."""
     from parallel import layout_check as lc
     from parallel.planner import Layout, TrainOptions, model_memory
@@ -133,11 +176,11 @@ def predicted(cfg: dict, name: str, world: int, micro_batch_tokens: int) -> dict
     spec = lc.LAYOUTS[name]
     layout = Layout(tp=spec.get("tp", 1), ep=spec.get("ep", 1), etp=spec.get("tp", 1), pp=spec.get("pp", 1))
     opts = TrainOptions(dtype="fp32", recompute="none", micro_batch_tokens=micro_batch_tokens,
-                        distributed_optimizer=False)
+                        distributed_optimizer=False, kernels=kernels, seq_len=seq_len)
     mem = model_memory(cfg, layout, world, opts)
     return {"weights": mem.weights, "gradients": mem.gradients, "optimizer": mem.optimizer,
             "state": mem.weights + mem.gradients + mem.optimizer, "activations": mem.activations,
-            "layout": layout.short()}
+            "layout": layout.short(), "kernels": kernels}
 
 
 def _compare(per_rank: list[dict], prediction: dict) -> dict:
@@ -146,21 +189,27 @@ def _compare(per_rank: list[dict], prediction: dict) -> dict:
         return {"predicted": pred, "measured": measured, "ratio": measured / pred if pred else None}
 
     state = max(r["state"]["total"] for r in per_rank)
-    acts = max(r["peak_rss_growth"]["forward_backward"] for r in per_rank)
+    acts = max(r["saved_activations"] for r in per_rank)
+    peak = max(r["state"]["total"] + r["peak_rss_growth"]["forward_backward"] for r in per_rank)
     return {"state": pair(prediction["state"], state), "activations": pair(prediction["activations"], acts),
+            "peak": pair(prediction["state"] + prediction["activations"], peak),
             "whole_step_peak_rss_growth": max(r["peak_rss_growth"]["whole_step"] for r in per_rank),
             "per_rank_state": [r["state"] for r in per_rank],
+            "per_rank_saved_activations": [r["saved_activations"] for r in per_rank],
             "per_rank_peak_rss_growth": [r["peak_rss_growth"] for r in per_rank], "prediction": prediction}
 
 
 MEMORY_METHOD = (
     "Memory per rank, measured vs `sao plan` (parallel/planner.py model_memory, same layout, fp32, one "
-    "micro-batch in flight). *state* = bytes of parameters + main-grad buffers + Adam state actually allocated "
-    "(tensor storages, deduplicated) vs predicted weights + gradients + optimizer. *activations* = growth of the "
-    "process's peak RSS (VmHWM, reset before the step) during the forward and backward passes of a training step, "
-    "up to the optimizer's prepare_grads call, vs predicted activations; on CPU this also holds autograd and "
-    "allocator temporaries the planner does not model. The whole step's peak growth (which adds the optimizer "
-    "step's temporaries: foreach Adam, grad norm) is listed beside it, not compared.")
+    "micro-batch in flight, the kernels the model was built with: Megatron's local spec on CPU). *state* = bytes "
+    "of parameters + main-grad buffers + Adam state actually allocated (tensor storages, deduplicated) vs "
+    "predicted weights + gradients + optimizer. *activations* = bytes autograd saves for backward during one "
+    "micro-batch's forward (saved-tensor hooks, storages deduplicated, parameters excluded; largest micro-batch "
+    "and rank) vs predicted activations. *peak* = state + growth of the process's peak RSS (VmHWM, reset before "
+    "the step) during forward and backward, up to the optimizer's prepare_grads call, vs predicted state + "
+    "activations; on CPU the RSS growth also holds backward's temporaries and the allocator's cache, which the "
+    "planner leaves to its fixed runtime reserve on GPUs: reported, not a target. The whole step's RSS growth "
+    "(adding the optimizer step's temporaries: foreach Adam, grad norm) is listed beside it.")
 
 
 def run(quick: bool = False) -> dict:
@@ -179,8 +228,10 @@ def run(quick: bool = False) -> dict:
                                        args=(model_dir, LAYOUTS, steps, num, seq))
     seconds = {"single": single[0]["single"]["seconds_per_step"],
                **{n: layouts[0][n]["seconds_per_step"] for n in LAYOUTS}}
-    memory = {"single": _compare([single[0]["single"]], predicted(cfg, "single", 1, ROWS * seq))}
-    memory |= {n: _compare([rank[n] for rank in layouts], predicted(cfg, n, 2, ROWS * seq)) for n in LAYOUTS}
+    kernels = single[0]["single"]["kernels"]
+    memory = {"single": _compare([single[0]["single"]], predicted(cfg, "single", 1, ROWS * seq, seq, kernels))}
+    memory |= {n: _compare([rank[n] for rank in layouts], predicted(cfg, n, 2, ROWS * seq, seq, kernels))
+               for n in LAYOUTS}
     per_token = {n: s / tokens for n, s in seconds.items()}
     ratios = {n: per_token[n] / per_token["single"] for n in LAYOUTS}
     result = {"preset": preset, "tokens_per_step": tokens, "micro_batch_tokens": ROWS * seq,
@@ -201,10 +252,10 @@ def _summary(r: dict, steps: int) -> str:
                      f"{r['seconds_per_token'][name] * 1e6:9.2f} {ratio:7.2f}")
     lines.append("memory per rank (MiB, largest rank): predicted by sao plan vs measured")
     lines.append(f"{'layout':>8} {'state pred':>11} {'measured':>9} {'ratio':>6}   {'activ. pred':>11} "
-                 f"{'fwd+bwd':>9} {'ratio':>6} {'whole step':>11}")
+                 f"{'saved':>9} {'ratio':>6}   {'peak pred':>10} {'measured':>9} {'ratio':>6}")
     for name, m in r["memory"]["layouts"].items():
-        s, a = m["state"], m["activations"]
+        s, a, p = m["state"], m["activations"], m["peak"]
         lines.append(f"{name:>8} {s['predicted'] / mib:11.2f} {s['measured'] / mib:9.2f} {s['ratio']:6.2f}   "
-                     f"{a['predicted'] / mib:11.2f} {a['measured'] / mib:9.2f} {a['ratio']:6.2f} "
-                     f"{m['whole_step_peak_rss_growth'] / mib:11.2f}")
+                     f"{a['predicted'] / mib:11.2f} {a['measured'] / mib:9.2f} {a['ratio']:6.2f}   "
+                     f"{p['predicted'] / mib:10.2f} {p['measured'] / mib:9.2f} {p['ratio']:6.2f}")
     return "\n".join(lines)

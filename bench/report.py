@@ -388,27 +388,39 @@ def _parallel(r: dict, link) -> str:
 
 
 def _parallel_memory(mem: Optional[dict]) -> str:
+    from parallel.planner import RUNTIME_RESERVE_GIB
+
     if not mem:
         return ("Not measured in this file: peak memory per rank against `sao plan`'s prediction (rerun "
                 "`sao bench parallel`).")
     mib = 2**20
     rows = []
     for name, per in mem["layouts"].items():
-        for quantity in ("state", "activations"):
-            q = per[quantity]
+        for quantity in ("state", "activations", "peak"):
+            q = per.get(quantity)
+            if q is None:
+                continue
             rows.append([name, quantity, f"{q['predicted'] / mib:.2f}", f"{q['measured'] / mib:.2f}",
                          f"{q['ratio']:.2f}" if q["ratio"] is not None else "n/a"])
         if "whole_step_peak_rss_growth" in per:
-            rows.append([name, "whole step (not compared)", "", f"{per['whole_step_peak_rss_growth'] / mib:.2f}", ""])
+            rows.append([name, "whole-step RSS growth (not compared)", "",
+                         f"{per['whole_step_peak_rss_growth'] / mib:.2f}", ""])
     tol = TARGETS["memory_tolerance"]
     out = [mem["method"], _table(["layout", "quantity", "predicted MiB/rank", "measured MiB/rank (max over ranks)",
                                    "measured / predicted"], rows)]
     state_ok = [abs(p["state"]["ratio"] - 1) <= tol for p in mem["layouts"].values() if p["state"]["ratio"] is not None]
     act_ok = [abs(p["activations"]["ratio"] - 1) <= tol for p in mem["layouts"].values()
               if p["activations"]["ratio"] is not None]
+    peaks = [p["peak"]["ratio"] for p in mem["layouts"].values() if p.get("peak", {}).get("ratio") is not None]
+    kernels = next(iter(mem["layouts"].values()))["prediction"].get("kernels", "te")
     out.append(f"Target: prediction within {tol:.0%}. Parameters + gradients + optimizer state: "
-               f"{sum(state_ok)} of {len(state_ok)} layouts within. Activations (forward + backward peak RSS growth): "
-               f"{sum(act_ok)} of {len(act_ok)} layouts within.")
+               f"{sum(state_ok)} of {len(state_ok)} layouts within. Activations (bytes saved for backward, "
+               f"planner with `{kernels}` kernels): {sum(act_ok)} of {len(act_ok)} layouts within."
+               + (f" Peak (state + forward/backward RSS growth) is {min(peaks):.2f}-{max(peaks):.2f}x the "
+                  f"predicted state + activations: on CPU the process also holds backward's temporaries and the "
+                  f"allocator's cache, which the planner leaves to its fixed {RUNTIME_RESERVE_GIB:g} GiB runtime "
+                  f"reserve on GPUs; this part of the target is not met here." if peaks and max(peaks) > 1 + tol
+                  else ""))
     return "\n\n".join(out)
 
 

@@ -140,11 +140,11 @@ def attention_params(cfg: dict) -> tuple[int, int]:
     proj = h * nh * hd + 2 * h * nkv * hd + nh * hd * h
     if cfg.get("attention_bias"):
         proj += nh * hd + 2 * nkv * hd
-    norms = 2 * hd if _has_qk_norm(cfg) else 0
+    norms = 2 * hd if has_qk_norm(cfg) else 0
     return proj, norms
 
 
-def _has_qk_norm(cfg: dict) -> bool:
+def has_qk_norm(cfg: dict) -> bool:
     # Qwen3 always has per-head q/k norms; GLM-4.5 has them only with use_qk_norm.
     return cfg.get("model_type") in ("qwen3_moe", "qwen3") or bool(cfg.get("use_qk_norm"))
 

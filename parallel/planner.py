@@ -23,8 +23,8 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 
-from .model_shapes import (LayerParams, all_layers, count_parameters, embedding_params, head_params, is_mla,
-                           is_moe_layer, num_experts)
+from .model_shapes import (LayerParams, has_qk_norm, all_layers, count_parameters, embedding_params,
+                           head_params, is_mla, is_moe_layer, num_experts)
 
 GIB = 1024 ** 3
 RUNTIME_RESERVE_GIB = 3.0
@@ -156,31 +156,74 @@ def model_total_from_ranks(cfg: dict, layout: Layout) -> float:
 # ------------------------------------------------------------------------------------- activations
 
 
-def layer_activation_elems(cfg: dict, moe: bool, layout: Layout, recompute: str) -> float:
+def layer_activation_elems(cfg: dict, moe: bool, layout: Layout, recompute: str, kernels: str = "te",
+                           seq_len: int = 0) -> float:
     """Stored activation elements per token of the micro-batch for one layer on one rank.
 
     Tokens are split by cp; h-sized tensors by tp (sequence parallel), head-sized ones by tp (heads).
-    Flash attention: no s² score matrix is stored. 'selective' recomputes norms and activation
-    functions; 'full' keeps only the layer input (plus one layer's working set, added by the caller).
+    kernels 'te' (Transformer Engine spec, the GPU path): flash attention stores no s² score matrix,
+    fused SwiGLU. kernels 'local' (Megatron-Core's local spec, what runs on CPU): see
+    _local_layer_elems; `seq_len` is the padded row length its unfused attention scores span.
+    'selective' recomputes the core attention (Megatron's default recompute_modules, which
+    parallel/rl_model.py keeps): under flash attention that stores nothing less. 'full' keeps only the
+    layer input (plus one layer's working set, added by the caller).
     """
     h, tp = cfg["hidden_size"], layout.tp
     if recompute == "full":
         return h / tp / layout.cp
+    if kernels == "local":
+        return _local_layer_elems(cfg, moe, layout, recompute, seq_len or 1)
     q, kv, out, latent = _attention_dims(cfg)
-    keep_norm_out = recompute == "none"
-    attn = h / tp + (h / tp if keep_norm_out else 0) + (q + 2 * kv + out) / tp + latent
+    attn = 2 * h / tp + (q + 2 * kv + out) / tp + latent
     if cfg.get("index_n_heads"):
         attn += cfg["index_n_heads"] * cfg["index_head_dim"] + cfg["index_head_dim"]
     if moe:
         fm, k = cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
         fs = (cfg.get("n_shared_experts") or 0) * fm
-        act = 1 if keep_norm_out else 0
-        mlp = h / tp + (h / tp if keep_norm_out else 0) + (2 + act) * fs / tp
+        mlp = 2 * h / tp + 3 * fs / tp
         # Each token goes to k experts; balanced routing gives each rank as many copies as it sends.
-        mlp += k / tp * (layout.etp * h + (2 + act) * fm)
+        mlp += k / tp * (layout.etp * h + 3 * fm)
     else:
-        f = cfg["intermediate_size"]
-        mlp = h / tp + (h / tp if keep_norm_out else 0) + (3 if keep_norm_out else 2) * f / tp
+        mlp = 2 * h / tp + 3 * cfg["intermediate_size"] / tp
+    return (attn + mlp) / layout.cp
+
+
+def _local_layer_elems(cfg: dict, moe: bool, layout: Layout, recompute: str, seq_len: int) -> float:
+    """Elements per token autograd saves in one layer of Megatron-Core's local spec (unfused kernels).
+
+    Counted tensor by tensor from what each module saves for backward (bench/parallel.py measures
+    the same bytes with saved-tensor hooks); terms under 1% of a layer are left out:
+    - each RMSNorm: its input and normalised output (2 per width), per-row rstd; rotary: q and k;
+    - unfused core attention: q, k and v repeated to every query head, and the softmax
+      probabilities, heads/tp · seq_len per token (no flash attention); 'selective' recompute keeps
+      only its inputs q, k, v instead;
+    - every linear: its input;
+    - SequentialMLP experts, per token copy: fc1 input h, fc1 output 2·fm, SiLU input and output
+      2·fm, the router-probability product fm, fc2 input fm, the probability (6·fm + h + 1);
+      dense MLPs and shared experts the same without the probability product (5·f).
+    """
+    h, tp = cfg["hidden_size"], layout.tp
+    q, kv, out, latent = _attention_dims(cfg)
+    nh = cfg["num_attention_heads"]
+    nkv = cfg.get("num_key_value_heads", nh)
+    attn = 2 * h / tp + h / tp + (q + kv) / tp + latent          # input norm, qkv input, rotary
+    if has_qk_norm(cfg):
+        attn += (2 * (q + kv) + nh + nkv) / tp
+    if recompute == "selective":
+        attn += (q + 2 * kv) / tp
+    else:
+        attn += (2 * q + out) / tp + nh * seq_len / tp
+    attn += out / tp                                             # linear_proj input
+    if cfg.get("index_n_heads"):
+        attn += cfg["index_n_heads"] * cfg["index_head_dim"] + cfg["index_head_dim"]
+    mlp = 2 * h / tp                                             # pre-MLP norm
+    if moe:
+        fm, k = cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
+        fs = (cfg.get("n_shared_experts") or 0) * fm
+        mlp += h / tp + 5 * fs / tp                              # router input, shared experts
+        mlp += k / tp * (layout.etp * h + 6 * fm + layout.etp)
+    else:
+        mlp += h / tp + 5 * cfg["intermediate_size"] / tp
     return (attn + mlp) / layout.cp
 
 
@@ -206,14 +249,19 @@ def in_flight_micro_batches(layout: Layout, stage: int) -> float:
 
 
 def activation_bytes(cfg: dict, layout: Layout, stage: int, tokens: int, recompute: str, act_bytes: int,
-                     value_head: bool = False) -> float:
-    """Activation memory of one rank of `stage` for micro-batches of `tokens` tokens (before CP)."""
+                     value_head: bool = False, kernels: str = "te", seq_len: int = 0) -> float:
+    """Activation memory of one rank of `stage` for micro-batches of `tokens` tokens (before CP).
+    seq_len: the padded row length (local kernels only; 0 = one row of `tokens`)."""
     moe_flags = [is_moe_layer(cfg, i) for i in range(cfg["num_hidden_layers"])]
     layers = stage_ranges(cfg["num_hidden_layers"], layout.pp, layout.vpp)[stage]
-    per_mb = sum(layer_activation_elems(cfg, moe_flags[i], layout, recompute) for i in layers) * tokens * act_bytes
+
+    def elems(i: int, mode: str) -> float:
+        return layer_activation_elems(cfg, moe_flags[i], layout, mode, kernels, seq_len or tokens)
+
+    per_mb = sum(elems(i, recompute) for i in layers) * tokens * act_bytes
     total = per_mb * in_flight_micro_batches(layout, stage)
     if recompute == "full" and layers:  # one layer is rebuilt at a time during backward
-        total += max(layer_activation_elems(cfg, moe_flags[i], layout, "none") for i in layers) * tokens * act_bytes
+        total += max(elems(i, "none") for i in layers) * tokens * act_bytes
     if stage == layout.pp - 1 and not value_head:
         # fp32 logits for log-probs plus their bf16 copy, vocab split over TP.
         total += tokens / layout.cp * cfg["vocab_size"] / layout.tp * (4 + act_bytes)
@@ -228,6 +276,8 @@ class TrainOptions:
     dtype: str = "bf16"               # parameter dtype of the trainer
     recompute: str = "none"           # none | selective | full
     micro_batch_tokens: int = 4096
+    kernels: str = "te"               # te (Transformer Engine, GPUs) | local (Megatron local spec, CPU)
+    seq_len: int = 0                  # padded row length for local kernels' attention scores (0 = one row)
     distributed_optimizer: bool = True
     optimizer_offload: bool = False   # Adam state and fp32 master on the host (CPU Adam)
 
@@ -265,7 +315,8 @@ def _stage_memory(cfg, layout, world, opts, stage, trainable, critic) -> ModelMe
     dense_shard = layout.dp(world) * layout.cp if opts.distributed_optimizer else 1
     expert_shard = layout.expert_dp(world) if opts.distributed_optimizer else 1
     optimizer = b_opt * (dense_trainable / dense_shard + p.expert / expert_shard)
-    acts = activation_bytes(cfg, layout, stage, opts.micro_batch_tokens, opts.recompute, b_w, value_head=critic)
+    acts = activation_bytes(cfg, layout, stage, opts.micro_batch_tokens, opts.recompute, b_w, value_head=critic,
+                            kernels=opts.kernels, seq_len=opts.seq_len)
     on_gpu, host = (0.0, optimizer) if opts.optimizer_offload else (optimizer, 0.0)
     return ModelMemory(stage, p.total, p.total * b_w, (dense_trainable + p.expert) * 4, on_gpu, acts, host)
 
@@ -493,6 +544,8 @@ def plan_input_from_recipe(recipe, gpus: int = 0, gpu: str = "h100", **options) 
     gpus = gpus or launch.nodes * per_node
     train = TrainOptions(dtype=recipe.model.dtype, recompute=recipe.model.recompute,
                          micro_batch_tokens=par.micro_batch_tokens, distributed_optimizer=par.distributed_optimizer,
+                         kernels="local" if recipe.model.transformer_impl == "local" else "te",
+                         seq_len=min(roll.max_prompt_len + roll.max_new_tokens, par.micro_batch_tokens),
                          optimizer_offload=par.optimizer_offload if options.get("optimizer_offload") is None
                          else options.pop("optimizer_offload"))
     options.pop("optimizer_offload", None)

@@ -74,7 +74,8 @@ def render_plan(plan, model_name: str) -> str:
     lines.append(f"layout {lay.short()}: dp {lay.dp(plan.world)}, expert-dp {lay.expert_dp(plan.world)}, recompute "
                  f"{inp.train.recompute}, micro-batch {inp.train.micro_batch_tokens} tokens, distributed optimizer "
                  f"{'on' if inp.train.distributed_optimizer else 'off'}, optimizer offload "
-                 f"{'on' if inp.train.optimizer_offload else 'off'}")
+                 f"{'on' if inp.train.optimizer_offload else 'off'}"
+                 + (", local kernels (unfused attention)" if inp.train.kernels == "local" else ""))
     unit, scale = table_unit(plan)
     lines.append(f"{unit + ' per GPU':<22}{'params':>9}{'weights':>9}{'grads':>9}{'optim':>9}{'activ':>9}{'total':>9}")
     for name, mem in (("policy", plan.policy), ("critic", plan.critic)):

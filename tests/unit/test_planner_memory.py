@@ -105,9 +105,22 @@ def test_recompute_and_context_parallel_shrink_activations():
     cfg = get_shape("qwen3-30b-a3b")
     layout = Layout(tp=4, ep=8)
     none, sel, full = (activation_bytes(cfg, layout, 0, 16384, r, 2) for r in ("none", "selective", "full"))
-    assert none > sel > full
+    # selective = Megatron's core-attention recompute, which stores nothing less under flash attention
+    assert none == sel > full
+    local = {r: activation_bytes(cfg, layout, 0, 16384, r, 2, kernels="local", seq_len=4096)
+             for r in ("none", "selective", "full")}
+    assert local["none"] > local["selective"] > local["full"] > full   # full: the rebuilt layer is bigger too
+    assert local["selective"] > none          # unfused kernels keep more copies than TE's fused ones
     cp2 = activation_bytes(cfg, replace(layout, cp=2), 0, 16384, "none", 2)
     assert cp2 == pytest.approx(none / 2, rel=1e-9)
+
+
+def test_local_kernels_store_the_attention_scores_of_each_row():
+    cfg = get_shape("qwen3-30b-a3b")
+    layout = Layout(tp=4)
+    short, long = (activation_bytes(cfg, layout, 0, 8192, "none", 2, kernels="local", seq_len=s) for s in (1024, 2048))
+    # per token, nh/tp probabilities per position of its row, on each of the 48 layers
+    assert long - short == pytest.approx(48 * 8192 * 2 * 32 / 4 * 1024, rel=1e-9)
 
 
 def test_kv_cache_per_token_mla_vs_gqa():
