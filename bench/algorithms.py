@@ -13,7 +13,7 @@ from typing import Optional
 
 from bench.training_runs import final_and_auc, mean_std, plot_curves, series, train_run
 
-TASKS = ["arithmetic", "copy"]
+TASKS = ["arithmetic", "copy", "digits"]
 GROUP = ["rollout.n_samples_per_prompt=4"]
 ALGORITHMS = {
     "sao": ["algorithm.name='sao'"],
@@ -33,15 +33,15 @@ def budget_overrides(name: str, steps: int, warmup: int) -> list[str]:
 
 def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False,
         tasks: Optional[list[str]] = None) -> dict:
-    """quick: CI smoke (2 runs); default: arithmetic, 5 algorithms x 3 seeds x 60 steps;
-    full: arithmetic and copy, 5 algorithms x 3 seeds x 150 steps.
+    """quick: CI smoke (2 runs); default: arithmetic and digits, 5 algorithms x 3 seeds x 60 steps;
+    full: arithmetic, copy and digits, 5 algorithms x 3 seeds x 150 steps.
 
     `tasks` runs only those tasks (same sizes) and keeps the other tasks' rows of an existing
     out_dir/algorithms.json measured with the same steps and seeds; `task_runs` records which command,
     machine and wall time produced each task's rows."""
     explicit = tasks is not None
     keep = {} if not explicit or quick else _previous(out_dir / "algorithms.json", full)
-    tasks = tasks or (["arithmetic", "copy"] if full else ["arithmetic"])
+    tasks = tasks or (["arithmetic", "copy", "digits"] if full else ["arithmetic", "digits"])
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"bench algorithms: unknown task(s) {unknown}; use {TASKS}")

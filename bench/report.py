@@ -227,6 +227,8 @@ def _algorithms_verdict(table: dict, task: str, curves: Optional[dict] = None) -
     finals = [v["final_mean"] for v in rows.values()]
     if len(finals) > 1 and max(finals) - min(finals) <= max(v["final_std"] for v in rows.values()):
         text += " All methods are within one std over seeds of each other: no difference is measured."
+    by_auc = sorted(rows, key=lambda a: rows[a]["auc_mean"], reverse=True)
+    text += " By AUC (how fast it learned): " + " > ".join(f"{a} ({rows[a]['auc_mean']:.3f})" for a in by_auc) + "."
     starts = [x for runs in (curves or {}).values() for run in runs for x in run[:5]]
     if starts:
         text += f" For scale: the mean reward of the first 5 steps, over all runs, is {sum(starts) / len(starts):.3f}."

@@ -34,17 +34,12 @@ import random
 import string
 from dataclasses import dataclass, field
 
-from rollout.rewards.tasks import Problem
+from rollout.rewards.tasks import STYLES, Problem, style_score
 
 RULES = {
     "upper": lambda c: c.upper(),
     "double": lambda c: c * 2,
     "next": lambda c: string.ascii_lowercase[(string.ascii_lowercase.index(c) + 1) % 26],
-}
-STYLES = {
-    "digits": lambda ch: ch in string.digits,
-    "capitals": lambda ch: ch in string.ascii_uppercase,
-    "punctuation": lambda ch: ch in string.punctuation,
 }
 DEFAULT_RULES = ("digits", "capitals", "punctuation")
 
@@ -78,8 +73,7 @@ class ChangingEnvironment:
     def score(self, response: str, letter: str, step: int) -> float:
         r = response.strip()
         if self.rule(step) in STYLES:
-            in_class = STYLES[self.rule(step)]
-            return sum(map(in_class, r)) / len(r) if r else 0.0
+            return style_score(r, self.rule(step))
         target = self.target(letter, step)
         if r == target:
             return 1.0

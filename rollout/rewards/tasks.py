@@ -1,4 +1,4 @@
-"""Locally generated tasks and their checkers: arithmetic, countdown, copy.
+"""Locally generated tasks and their checkers: arithmetic, countdown, copy, digits.
 
 Each task makes problems from a seeded RNG (no download) and scores a response in [0, 1]. They are
 sized for the tiny char-level model (one token per character, ~8-32 new tokens): answers are short
@@ -14,12 +14,16 @@ Scores (r = response with surrounding whitespace stripped):
   allowed numbers with another value; else 0.
 - copy (reverse a short lowercase string): matching characters at equal positions divided by
   max(len(r), len(target)), so extra or missing characters cost credit.
+- digits (the prompt is one lowercase letter, "x:"; answer in digits): the fraction of r's characters
+  that are digits, 0 for an empty r. The online environment's first phase held fixed: a style the
+  tiny model learns within tens of steps, so algorithms can be compared on how fast they learn it.
 """
 from __future__ import annotations
 
 import ast
 import random
 import re
+import string
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -107,6 +111,20 @@ def score_copy(response: str, label: str) -> float:
     return same / max(len(r), len(label))
 
 
+STYLES: dict[str, str] = {"digits": string.digits, "capitals": string.ascii_uppercase,
+                          "punctuation": string.punctuation}
+
+
+def style_score(response: str, style: str) -> float:
+    """Fraction of the stripped response's characters in the style's class (0 when empty)."""
+    r = response.strip()
+    return sum(ch in STYLES[style] for ch in r) / len(r) if r else 0.0
+
+
+def make_digits(rng: random.Random) -> Problem:
+    return Problem(f"{rng.choice(string.ascii_lowercase)}:", "digits", {"task": "digits"})
+
+
 @dataclass(frozen=True)
 class Task:
     name: str
@@ -118,6 +136,7 @@ TASKS: dict[str, Task] = {
     "arithmetic": Task("arithmetic", make_arithmetic, score_arithmetic),
     "countdown": Task("countdown", make_countdown, score_countdown),
     "copy": Task("copy", make_copy, score_copy),
+    "digits": Task("digits", make_digits, style_score),
 }
 
 

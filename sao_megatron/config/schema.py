@@ -130,7 +130,7 @@ class RolloutConfig:
     update_mode: Literal["in_place", "retract", "abort"] = doc(
         "in_place", "What in-flight requests do during a weight update (SGLang pause mode).")
     request_timeout_s: float = doc(600.0, "Timeout of one generate call.")
-    task: str = doc("countdown", "Built-in task (countdown, arithmetic, copy, online) or '' to use dataset.")
+    task: str = doc("countdown", "Built-in task (countdown, arithmetic, copy, digits, online) or '' to use dataset.")
     dataset: str = doc("", "Prompt file (jsonl or parquet) with a 'prompt' field (and 'answer').")
     env_switch_every: int = doc(50, "Task 'online': the rewarded rule switches every this many trainer steps.")
     bad_row: Literal["skip", "fail"] = doc("skip", "A malformed dataset row is reported and skipped, or fails the run.")

@@ -7,8 +7,8 @@ import pytest
 
 from rollout.environments import ChangingEnvironment
 from rollout.rewards.task_reward import task_reward
-from rollout.rewards.tasks import (make_arithmetic, make_copy, make_countdown, score_arithmetic, score_copy,
-                                   score_countdown, _eval_arith)
+from rollout.rewards.tasks import (get_task, make_arithmetic, make_copy, make_countdown, score_arithmetic,
+                                   score_copy, score_countdown, _eval_arith)
 from sao_megatron.records import Sample
 
 
@@ -47,6 +47,15 @@ def test_copy_reverse_scores_by_position():
     assert score_copy("cbx", "cba") == pytest.approx(2 / 3)
     assert score_copy("cbaaa", "cba") == pytest.approx(3 / 5)
     assert score_copy("", "cba") == 0.0
+
+
+def test_digits_task_scores_the_fraction_of_digits():
+    task = get_task("digits")
+    problem = task.make(random.Random(0))
+    assert problem.text.endswith(":") and len(problem.text) == 2 and problem.text[0].islower()
+    assert task.score(" 123 ", problem.label) == 1.0
+    assert task.score("1a2b", problem.label) == 0.5
+    assert task.score("", problem.label) == 0.0 and task.score("abc", problem.label) == 0.0
 
 
 def test_environment_switches_on_schedule():
