@@ -308,7 +308,7 @@ def _stability(r: dict, link) -> str:
                    "grad-norm spikes (>10x median)"], rows), link("stability.png", "stability")]
     if r.get("quick"):
         out.append("Only the quick smoke run is recorded: it checks that the benchmark runs. No claim about "
-                   "stability is made; the default and `--full` versions (see bench/stability.py) were not run.")
+                   "stability is made; the default version (1000 steps, see bench/stability.py) was not run.")
     else:
         out.append(_stability_verdict(r))
     return "\n\n".join(x for x in out if x)
@@ -324,9 +324,10 @@ def _stability_verdict(r: dict) -> str:
             f"({res[worst]['max_reward_drop']:.3f}); ")
     text += (f"policy entropy fell below a tenth of its peak for {', '.join(collapsed)} (entropy collapse)."
              if collapsed else "no run's policy entropy fell below a tenth of its peak.")
-    if not r.get("full"):
-        text += (" This is the default length, not the paper's 1000 steps (`--full`, not run): it neither "
-                 "confirms nor refutes the claim that SAO stays stable where GRPO collapses.")
+    if steps < 1000:
+        text += (f" These are {steps} steps, not the paper's 1000 (this file predates the 1000-step default; "
+                 "rerun `sao bench stability`): it neither confirms nor refutes the claim that SAO stays stable "
+                 "where GRPO collapses.")
     return text
 
 
