@@ -105,7 +105,20 @@ def _preamble(results: dict, results_dir: Path, doc_path: Path) -> str:
              "noisy between runs; ratios are measured side by side in one run.", ""]
     lines += ["Machines recorded in these files:" if len(machines) > 1 else "Machine recorded in these files:"]
     lines += [f"- {m}" for m in machines] or ["- none (no results yet)"]
+    total = sum(_wall_s(r) for r in results.values())
+    if total:
+        lines += ["", f"Benchmark time recorded in these files: {total / 60:.0f} min in all (`sao bench all` runs "
+                      f"them one after another)."]
     return "\n".join(lines)
+
+
+def _wall_s(result: dict) -> float:
+    """Seconds a result took; a benchmark merged from per-task runs counts each task's run."""
+    runs = [v.get("wall_s") for v in (result.get("task_runs") or {}).values()]
+    if runs and all(isinstance(w, (int, float)) for w in runs):
+        return float(sum(runs))
+    wall = result.get("wall_s")
+    return float(wall) if isinstance(wall, (int, float)) else 0.0
 
 
 def _section(name: str, title: str, result: Optional[dict], body, link) -> str:
