@@ -277,7 +277,8 @@ def _online(r: dict, link) -> str:
     out.append(link("online.png", "online"))
     out.append(_online_verdict(table, seeds))
     if not r.get("full"):
-        out.append("The `--full` version (more seeds and phases, see bench/online.py) was not run.")
+        out.append("The `--full` version (5 seeds, a 4th phase back to the first style; see bench/online.py) "
+                   "was not run.")
     return "\n\n".join(x for x in out if x)
 
 
@@ -300,11 +301,28 @@ def _online_verdict(table: dict, seeds: int) -> str:
     never = [m for m, v in table.items() if v["never_recovered"]]
     if never:
         text += f" Did not recover within a phase at least once: {', '.join(never)}."
+    always = [m for m, v in table.items() if not v["never_recovered"] and v["switches"]]
+    if always and never:
+        text += f" Recovered after every switch: {', '.join(always)}."
+    levels = _phase_levels(table)
+    if levels:
+        text += (" Level reached at the end of each phase before a switch (mean over seeds): " + "; ".join(
+            f"{phase}: " + ", ".join(f"{m} {level:.3f}" for m, level in sorted(per.items(), key=lambda x: -x[1]))
+            for phase, per in levels.items()) + ".")
     text += (" Recovery is measured against each method's own level before the switch ('before'): a method that "
              "learned less in the previous phase has a lower bar, so compare recovery steps together with 'before'.")
     if seeds == 1:
         text += " One seed only: no spread over seeds is measured, so small differences may be noise."
     return text
+
+
+def _phase_levels(table: dict) -> dict[str, dict[str, float]]:
+    """Mean 'before' (the reward level at the end of a phase) per phase and method."""
+    levels: dict[str, dict[str, list]] = {}
+    for method, row in table.items():
+        for switch in row.get("switches", []):
+            levels.setdefault(switch["from"], {}).setdefault(method, []).append(switch["before"])
+    return {phase: {m: statistics.fmean(v) for m, v in per.items()} for phase, per in levels.items()}
 
 
 def _online_legacy(r: dict, link, out: list) -> str:
