@@ -23,7 +23,7 @@ the model was built with: Megatron's local spec on CPU, Transformer Engine on GP
   malloc_trim) during each timed step's forward and backward passes, up to the optimizer's
   prepare_grads call -> predicted state + activations. On CPU the RSS growth also holds backward's
   temporaries (activation grads, per-parameter grads before they reach the main-grad buffer) and the
-  allocator's cache, which the planner leaves to its fixed runtime reserve; reported, not a target.
+  allocator's cache, which the planner leaves to its fixed runtime reserve on GPUs.
   The whole step's RSS growth (adding the optimizer step's temporaries) is recorded beside it.
 """
 from __future__ import annotations
@@ -208,7 +208,7 @@ MEMORY_METHOD = (
     "and rank) vs predicted activations. *peak* = state + growth of the process's peak RSS (VmHWM, reset before "
     "the step) during forward and backward, up to the optimizer's prepare_grads call, vs predicted state + "
     "activations; on CPU the RSS growth also holds backward's temporaries and the allocator's cache, which the "
-    "planner leaves to its fixed runtime reserve on GPUs: reported, not a target. The whole step's RSS growth "
+    "planner leaves to its fixed runtime reserve on GPUs. The whole step's RSS growth "
     "(adding the optimizer step's temporaries: foreach Adam, grad norm) is listed beside it.")
 
 
