@@ -67,3 +67,32 @@ def test_a_late_batch_of_the_old_phase_stays_in_the_new_segment_and_never_is_non
     rewards = [0.5] * 5 + [0.0] * 4
     [switch] = recovery_per_switch(_rows(phases, rewards), ("digits", "capitals", "punctuation"))
     assert switch["steps_in_phase"] == 4 and switch["recovery_steps"] is None and switch["informative"] is True
+
+
+def _signals(final, drop, entropy=0.5):
+    return {"final_reward": final, "max_reward_drop": drop, "entropy_final_over_peak": entropy,
+            "grad_norm_spikes": 0, "steps": 1000}
+
+
+def test_stability_verdict_says_what_the_signals_show():
+    from bench.report import _stability_verdict
+
+    steady = _stability_verdict({"results": {"sao": _signals(0.14, 0.03, 0.01), "grpo": _signals(0.18, 0.17)}})
+    assert "SAO's drop is the smallest (0.030)" in steady
+    assert "grpo (0.180) ends above SAO (0.140)" in steady            # gap 0.04 > SAO's own swing 0.03
+    assert "stable, but not improving" in steady                      # SAO's entropy collapsed
+    close = _stability_verdict({"results": {"sao": _signals(0.14, 0.03), "grpo": _signals(0.16, 0.17)}})
+    assert "ends above" not in close and "not improving" not in close
+    worse = _stability_verdict({"results": {"sao": _signals(0.1, 0.2), "grpo": _signals(0.2, 0.05)}})
+    assert "SAO's drop is not the smallest (grpo's is)" in worse
+    assert "These are" not in worse                                   # 1000 steps: the paper's length
+
+
+def test_online_phase_levels_average_each_phase_over_seeds():
+    from bench.report import _phase_levels
+
+    table = {"sao": {"switches": [{"from": "digits", "before": 0.9}, {"from": "digits", "before": 0.7},
+                                  {"from": "capitals", "before": 0.5}]},
+             "grpo": {"switches": [{"from": "digits", "before": 0.4}]}}
+    assert _phase_levels(table) == {"digits": {"sao": pytest.approx(0.8), "grpo": 0.4},
+                                    "capitals": {"sao": 0.5}}
