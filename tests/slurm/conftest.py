@@ -6,6 +6,7 @@ submits `sao train` (the default) or any smaller command.
 """
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -68,6 +69,7 @@ def submit(workdir: Path, command: str | None = None, overrides: list[str] = (),
 
 
 def collect(workdir: Path, proc) -> JobResult:
-    logs = sorted(workdir.glob("runs/*/logs/slurm-*.out"))
+    # newest job last: by job id as a number (slurm-10.out sorts before slurm-9.out as text)
+    logs = sorted(workdir.glob("runs/*/logs/slurm-*.out"), key=lambda p: int(re.sub(r"\D", "", p.stem) or 0))
     run_dir = logs[-1].parents[1] if logs else workdir
     return JobResult(proc.returncode, proc.stdout, proc.stderr, logs[-1].read_text() if logs else "", run_dir)
