@@ -126,9 +126,10 @@ def saved_activation_bytes(model, step) -> int:
 
 
 def kernels_of(model) -> str:
-    """'te' when the model was built from Transformer Engine modules, else 'local'."""
-    names = {type(mod).__name__ for m in model.modules for mod in m.modules()}
-    return "te" if any(n.startswith("TE") for n in names) else "local"
+    """The planner's name for the kernels `model` was built with (parallel.specs picks them)."""
+    from parallel.specs import use_transformer_engine
+
+    return "te" if use_transformer_engine(model.recipe.model.transformer_impl) else "local"
 
 
 def _measure_layout(model_dir: str, name: str, hf_tensors: dict, batches: list, steps: int) -> dict:

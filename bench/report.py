@@ -224,16 +224,19 @@ def _algorithms(r: dict, link) -> str:
     return "\n\n".join(x for x in out if x)
 
 
+def _within_one_std(a: dict, b: dict) -> bool:
+    """Two rows' final rewards differ by no more than the larger of their stds over seeds."""
+    return abs(a["final_mean"] - b["final_mean"]) <= max(a["final_std"], b["final_std"])
+
+
 def _algorithms_verdict(table: dict, task: str, curves: Optional[dict] = None) -> str:
     rows = {k.split("/")[1]: v for k, v in table.items() if k.startswith(task + "/")}
     ranked = sorted(rows, key=lambda a: rows[a]["final_mean"], reverse=True)
     order = " > ".join(f"{a} ({rows[a]['final_mean']:.3f})" for a in ranked)
     text = f"As measured on `{task}`, by final reward: {order}."
     if "sao" in rows and len(ranked) > 1:
-        best = rows[ranked[0]]
-        within = abs(best["final_mean"] - rows["sao"]["final_mean"]) <= max(best["final_std"], rows["sao"]["final_std"])
-        second = rows[ranked[1]]
-        close = abs(second["final_mean"] - rows["sao"]["final_mean"]) <= max(second["final_std"], rows["sao"]["final_std"])
+        within = _within_one_std(rows[ranked[0]], rows["sao"])
+        close = _within_one_std(rows[ranked[1]], rows["sao"])
         text += ((" SAO is first, as in the SAO paper's ordering" + (f", but within one std over seeds of "
                   f"{ranked[1]}: the ordering is not established." if close else ".")) if ranked[0] == "sao" else
                  f" SAO is {ranked.index('sao') + 1} of {len(ranked)}: this does **not** reproduce the SAO paper's "

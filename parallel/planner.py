@@ -23,8 +23,8 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 
-from .model_shapes import (LayerParams, has_qk_norm, all_layers, count_parameters, embedding_params,
-                           head_params, is_mla, is_moe_layer, num_experts)
+from .model_shapes import (LayerParams, all_layers, count_parameters, embedding_params, has_qk_norm, head_params,
+                           is_mla, is_moe_layer, num_experts)
 
 GIB = 1024 ** 3
 RUNTIME_RESERVE_GIB = 3.0
