@@ -19,12 +19,15 @@ the model was built with: Megatron's local spec on CPU, Transformer Engine on GP
 - activations: bytes autograd saves for backward during one micro-batch's forward (saved-tensor
   hooks; storages deduplicated, parameters excluded), the largest micro-batch of an extra untimed
   step -> predicted activations (what the planner's activation term counts);
-- peak: state + growth of the process's peak RSS (VmHWM, reset through /proc/self/clear_refs after
-  malloc_trim) during each timed step's forward and backward passes, up to the optimizer's
-  prepare_grads call -> predicted state + activations. On CPU the RSS growth also holds backward's
-  temporaries (activation grads, per-parameter grads before they reach the main-grad buffer) and the
-  allocator's cache, which the planner leaves to its fixed runtime reserve on GPUs.
-  The whole step's RSS growth (adding the optimizer step's temporaries) is recorded beside it.
+- peak: state + the peak bytes of the tensors allocated during one step's forward and backward
+  passes, up to the optimizer's prepare_grads call (LiveTensorPeak, the CPU analogue of
+  torch.cuda.max_memory_allocated) -> predicted state + activations. Backward's temporaries
+  (activation grads, per-parameter grads before they reach the main-grad buffer) are in it; the
+  planner has no term for them and they are small next to the saved activations here.
+- peak RSS: state + growth of the process's peak RSS (VmHWM, reset through /proc/self/clear_refs
+  after malloc_trim) over the same span, listed beside it: it adds the allocator's cache and non-tensor
+  memory, which the planner leaves to its fixed runtime reserve on GPUs. The whole step's growth
+  (adding the optimizer step's temporaries) is recorded too.
 """
 from __future__ import annotations
 
@@ -125,6 +128,75 @@ def saved_activation_bytes(model, step) -> int:
     return largest[0]
 
 
+class LiveTensorPeak:
+    """The CPU analogue of torch.cuda.max_memory_allocated: the peak of the bytes held by tensor
+    storages created while the mode is active (a TorchDispatchMode sees every aten op, backward
+    included). An op's output counts when its storage is new, not a view of or an in-place write to
+    one of its inputs; it stops counting when the storage is freed (a weakref finalizer). Storages
+    alive before (parameters, grad buffers, Adam state, the batch) are not counted: add them.
+    Scratch memory inside one kernel and buffers the collectives allocate in C++ are not seen."""
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class _Mode(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.current = self.peak = 0
+                self._live: dict[int, int] = {}
+
+            def reset_peak(self):
+                self.peak = self.current
+
+            def _free(self, key: int) -> None:
+                self.current -= self._live.pop(key)
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                import weakref
+
+                import torch
+                from torch.utils._pytree import tree_leaves
+
+                out = func(*args, **(kwargs or {}))
+                inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                          if isinstance(t, torch.Tensor)}
+                for t in tree_leaves(out):
+                    if not isinstance(t, torch.Tensor):
+                        continue
+                    storage = t.untyped_storage()
+                    key, size = id(storage), storage.nbytes()
+                    if size == 0 or key in self._live or storage.data_ptr() in inputs:
+                        continue
+                    self._live[key] = size
+                    self.current += size
+                    self.peak = max(self.peak, self.current)
+                    weakref.finalize(storage, self._free, key)
+                return out
+
+        return _Mode()
+
+
+def live_tensor_peak(model, step) -> dict:
+    """Peak bytes of tensors `step()` allocates (LiveTensorPeak): during forward and backward (up to
+    the optimizer's prepare_grads call) and over the whole step."""
+    gc.collect()
+    marks = {}
+    prepare = model.optimizer.prepare_grads
+    mode = LiveTensorPeak()
+
+    def mark_then_prepare():
+        marks["forward_backward"] = mode.peak
+        return prepare()
+
+    model.optimizer.prepare_grads = mark_then_prepare
+    try:
+        with mode:
+            step()
+    finally:
+        model.optimizer.prepare_grads = prepare
+    return {"forward_backward": marks["forward_backward"], "whole_step": mode.peak}
+
+
 def kernels_of(model) -> str:
     """The planner's name for the kernels `model` was built with (parallel.specs picks them)."""
     from parallel.specs import use_transformer_engine
@@ -149,8 +221,9 @@ def _measure_layout(model_dir: str, name: str, hf_tensors: dict, batches: list, 
             growth.append(_peak_growth(model, lambda: model.train_step(local, lc.policy_gradient_loss)))
             times.append(time.perf_counter() - start)
         saved = saved_activation_bytes(model, lambda: model.train_step(local, lc.policy_gradient_loss))
+        allocated = live_tensor_peak(model, lambda: model.train_step(local, lc.policy_gradient_loss))
         return {"seconds_per_step": sum(times) / len(times), "state": state_bytes(model),
-                "saved_activations": saved, "kernels": kernels_of(model),
+                "saved_activations": saved, "kernels": kernels_of(model), "peak_allocated": allocated,
                 "peak_rss_growth": {k: max(g[k] for g in growth) for k in growth[0]}}
     finally:
         teardown_model_parallel()
@@ -191,12 +264,16 @@ def _compare(per_rank: list[dict], prediction: dict) -> dict:
 
     state = max(r["state"]["total"] for r in per_rank)
     acts = max(r["saved_activations"] for r in per_rank)
-    peak = max(r["state"]["total"] + r["peak_rss_growth"]["forward_backward"] for r in per_rank)
+    peak = max(r["state"]["total"] + r["peak_allocated"]["forward_backward"] for r in per_rank)
+    rss = max(r["state"]["total"] + r["peak_rss_growth"]["forward_backward"] for r in per_rank)
+    total = prediction["state"] + prediction["activations"]
     return {"state": pair(prediction["state"], state), "activations": pair(prediction["activations"], acts),
-            "peak": pair(prediction["state"] + prediction["activations"], peak),
+            "peak": pair(total, peak), "peak_rss": pair(total, rss),
+            "whole_step_peak_allocated": max(r["peak_allocated"]["whole_step"] for r in per_rank),
             "whole_step_peak_rss_growth": max(r["peak_rss_growth"]["whole_step"] for r in per_rank),
             "per_rank_state": [r["state"] for r in per_rank],
             "per_rank_saved_activations": [r["saved_activations"] for r in per_rank],
+            "per_rank_peak_allocated": [r["peak_allocated"] for r in per_rank],
             "per_rank_peak_rss_growth": [r["peak_rss_growth"] for r in per_rank], "prediction": prediction}
 
 
@@ -206,11 +283,13 @@ MEMORY_METHOD = (
     "of parameters + main-grad buffers + Adam state actually allocated (tensor storages, deduplicated) vs "
     "predicted weights + gradients + optimizer. *activations* = bytes autograd saves for backward during one "
     "micro-batch's forward (saved-tensor hooks, storages deduplicated, parameters excluded; largest micro-batch "
-    "and rank) vs predicted activations. *peak* = state + growth of the process's peak RSS (VmHWM, reset before "
-    "the step) during forward and backward, up to the optimizer's prepare_grads call, vs predicted state + "
-    "activations; on CPU the RSS growth also holds backward's temporaries and the allocator's cache, which the "
-    "planner leaves to its fixed runtime reserve on GPUs. The whole step's RSS growth "
-    "(adding the optimizer step's temporaries: foreach Adam, grad norm) is listed beside it.")
+    "and rank) vs predicted activations. *peak* = state + the peak bytes of tensors allocated during one step's "
+    "forward and backward, up to the optimizer's prepare_grads call (a dispatch mode that sees every aten op and "
+    "every storage's release: the CPU analogue of torch.cuda.max_memory_allocated), vs predicted state + "
+    "activations. *peak RSS* = state + growth of the process's peak resident set (VmHWM, reset before the step) "
+    "over the same span: it adds the allocator's cache and non-tensor memory, which the planner leaves to its "
+    "fixed runtime reserve on GPUs; it is listed, not the target. The whole step's peaks (adding the optimizer "
+    "step's temporaries) are recorded in the JSON.")
 
 
 def run(quick: bool = False) -> dict:
@@ -253,10 +332,12 @@ def _summary(r: dict, steps: int) -> str:
                      f"{r['seconds_per_token'][name] * 1e6:9.2f} {ratio:7.2f}")
     lines.append("memory per rank (MiB, largest rank): predicted by sao plan vs measured")
     lines.append(f"{'layout':>8} {'state pred':>11} {'measured':>9} {'ratio':>6}   {'activ. pred':>11} "
-                 f"{'saved':>9} {'ratio':>6}   {'peak pred':>10} {'measured':>9} {'ratio':>6}")
+                 f"{'saved':>9} {'ratio':>6}   {'peak pred':>10} {'allocated':>9} {'ratio':>6}   "
+                 f"{'RSS':>9} {'ratio':>6}")
     for name, m in r["memory"]["layouts"].items():
-        s, a, p = m["state"], m["activations"], m["peak"]
+        s, a, p, q = m["state"], m["activations"], m["peak"], m["peak_rss"]
         lines.append(f"{name:>8} {s['predicted'] / mib:11.2f} {s['measured'] / mib:9.2f} {s['ratio']:6.2f}   "
                      f"{a['predicted'] / mib:11.2f} {a['measured'] / mib:9.2f} {a['ratio']:6.2f}   "
-                     f"{p['predicted'] / mib:10.2f} {p['measured'] / mib:9.2f} {p['ratio']:6.2f}")
+                     f"{p['predicted'] / mib:10.2f} {p['measured'] / mib:9.2f} {p['ratio']:6.2f}   "
+                     f"{q['measured'] / mib:9.2f} {q['ratio']:6.2f}")
     return "\n".join(lines)
