@@ -35,7 +35,12 @@ import ctypes
 import gc
 import tempfile
 import time
+import weakref
 from pathlib import Path
+
+import torch
+from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import TorchDispatchMode
 
 LAYOUTS = ["tp2", "ep2"]
 ROWS = 2
@@ -101,8 +106,6 @@ def saved_activation_bytes(model, step) -> int:
     """Largest bytes autograd saves for backward during one micro-batch's forward while `step()` runs
     (storages deduplicated, parameters excluded). A forward pre-hook on the first model chunk starts
     each micro-batch's count: right for layouts with one micro-batch in flight (no pipeline)."""
-    import torch
-
     params = {p.untyped_storage().data_ptr() for m in model.modules for p in m.parameters()}
     current: dict[int, int] = {}
     largest = [0]
@@ -128,52 +131,37 @@ def saved_activation_bytes(model, step) -> int:
     return largest[0]
 
 
-class LiveTensorPeak:
+class LiveTensorPeak(TorchDispatchMode):
     """The CPU analogue of torch.cuda.max_memory_allocated: the peak of the bytes held by tensor
-    storages created while the mode is active (a TorchDispatchMode sees every aten op, backward
+    storages created while the mode is active (a dispatch mode sees every aten op, backward
     included). An op's output counts when its storage is new, not a view of or an in-place write to
     one of its inputs; it stops counting when the storage is freed (a weakref finalizer). Storages
     alive before (parameters, grad buffers, Adam state, the batch) are not counted: add them.
     Scratch memory inside one kernel and buffers the collectives allocate in C++ are not seen."""
 
-    def __new__(cls):
-        from torch.utils._python_dispatch import TorchDispatchMode
+    def __init__(self):
+        super().__init__()
+        self.current = self.peak = 0
+        self._live: dict[int, int] = {}
 
-        class _Mode(TorchDispatchMode):
-            def __init__(self):
-                super().__init__()
-                self.current = self.peak = 0
-                self._live: dict[int, int] = {}
+    def _free(self, key: int) -> None:
+        self.current -= self._live.pop(key)
 
-            def reset_peak(self):
-                self.peak = self.current
-
-            def _free(self, key: int) -> None:
-                self.current -= self._live.pop(key)
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                import weakref
-
-                import torch
-                from torch.utils._pytree import tree_leaves
-
-                out = func(*args, **(kwargs or {}))
-                inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                          if isinstance(t, torch.Tensor)}
-                for t in tree_leaves(out):
-                    if not isinstance(t, torch.Tensor):
-                        continue
-                    storage = t.untyped_storage()
-                    key, size = id(storage), storage.nbytes()
-                    if size == 0 or key in self._live or storage.data_ptr() in inputs:
-                        continue
-                    self._live[key] = size
-                    self.current += size
-                    self.peak = max(self.peak, self.current)
-                    weakref.finalize(storage, self._free, key)
-                return out
-
-        return _Mode()
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key, size = id(storage), storage.nbytes()
+            if size == 0 or key in self._live or storage.data_ptr() in inputs:
+                continue
+            self._live[key] = size
+            self.current += size
+            self.peak = max(self.peak, self.current)
+            weakref.finalize(storage, self._free, key)
+        return out
 
 
 def live_tensor_peak(model, step) -> dict:
