@@ -55,10 +55,12 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
     for task in tasks:
         started = time.perf_counter()
         for algo in algos:
-            finals, aucs, runs = [], [], []
+            finals, aucs, runs, samples = [], [], [], set()
             for seed in seeds:
-                rows = train_run(f"{task}-{algo}-s{seed}", ALGORITHMS[algo] + budget_overrides(algo, steps, warmup)
+                name = f"{task}-{algo}-s{seed}"
+                rows = train_run(name, ALGORITHMS[algo] + budget_overrides(algo, steps, warmup)
                                  + [f"rollout.task='{task}'", f"run.seed={seed}"], work)
+                samples.add(len(rows) * _batch_size(work / name))
                 rewards = series(rows, "rollout/raw_reward")
                 final, auc = final_and_auc(rewards)
                 finals.append(final)
@@ -66,7 +68,7 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
                 runs.append(rewards)
             (fm, fs), (am, as_) = mean_std(finals), mean_std(aucs)
             table[f"{task}/{algo}"] = {"final_mean": fm, "final_std": fs, "auc_mean": am, "auc_std": as_,
-                                       "seeds": seeds, "samples_per_run": None}
+                                       "seeds": seeds, "samples_per_run": sorted(samples)}
             curves.setdefault(task, {})[algo] = runs
         task_runs[task] = {"command": "sao bench algorithms" + (" --quick" if quick else "") + (" --full" if full else "")
                            + (f" --tasks {','.join(tasks)}" if explicit else ""),
@@ -80,6 +82,13 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
                      f"{row['auc_mean']:8.3f} +- {row['auc_std']:.3f}")
     return {"table": table, "curves": curves, "summary": "\n".join(lines), "steps": steps, "warmup": warmup,
             "task_runs": task_runs}
+
+
+def _batch_size(run_dir: Path) -> int:
+    """Samples per step the run trained on (rollout.batch_size of its resolved recipe)."""
+    import tomllib
+
+    return tomllib.loads((run_dir / "resolved_recipe.toml").read_text())["rollout"]["batch_size"]
 
 
 def _previous(path: Path, full: bool) -> dict:

@@ -206,11 +206,14 @@ def _demo_verdict(r: dict) -> str:
 def _algorithms(r: dict, link) -> str:
     table = r["table"]
     seeds = len(next(iter(table.values()))["seeds"]) if table else 0
-    rows = [[key, _pm(v["final_mean"], v["final_std"]), _pm(v["auc_mean"], v["auc_std"])] for key, v in table.items()]
+    counted = all(v.get("samples_per_run") for v in table.values())   # files before it was recorded: None
+    rows = [[key, _pm(v["final_mean"], v["final_std"]), _pm(v["auc_mean"], v["auc_std"])]
+            + ([" / ".join(str(n) for n in v["samples_per_run"])] if counted else []) for key, v in table.items()]
     out = [f"{r.get('steps', '?')} policy steps (+{r.get('warmup', '?')} critic warm-up steps for SAO and PPO, given "
            f"to the group methods as extra steps: every method generates the same number of samples), {seeds} seeds. "
-           f"Final = mean reward of the last 5 steps; AUC = mean reward over all steps; mean +- std over seeds.",
-           _table(["task/algorithm", "final reward", "AUC"], rows)]
+           f"Final = mean reward of the last 5 steps; AUC = mean reward over all steps; mean +- std over seeds"
+           + ("; samples per run = steps run x the resolved rollout.batch_size." if counted else "."),
+           _table(["task/algorithm", "final reward", "AUC"] + (["samples per run"] if counted else []), rows)]
     tasks = sorted({key.split("/")[0] for key in table})
     out += [link(f"algorithms_{task}.png", f"algorithms {task}") for task in tasks]
     out += [_algorithms_verdict(table, task, r.get("curves", {}).get(task, {})) for task in tasks]

@@ -14,6 +14,8 @@ def fake_runs(monkeypatch):
 
     def train_run(name, overrides, out_root):
         calls.append(name)
+        (out_root / name).mkdir(parents=True, exist_ok=True)
+        (out_root / name / "resolved_recipe.toml").write_text("[rollout]\nbatch_size = 32\n")
         return [{"step": s, "rollout/raw_reward": 0.1 * s} for s in range(1, 7)]
 
     monkeypatch.setattr(algorithms, "train_run", train_run)
@@ -32,6 +34,7 @@ def test_a_task_run_alone_extends_the_previous_result(tmp_path, fake_runs):
     assert result["table"]["arithmetic/sao"] == old["table"]["arithmetic/sao"]
     assert {k for k in result["table"] if k.startswith("copy/")} == {f"copy/{a}" for a in algorithms.ALGORITHMS}
     assert result["task_runs"]["arithmetic"]["command"] == "sao bench algorithms"
+    assert result["table"]["copy/grpo"]["samples_per_run"] == [6 * 32]    # 6 steps x batch_size each
     assert result["task_runs"]["copy"]["command"] == "sao bench algorithms --tasks copy"
 
 

@@ -96,3 +96,24 @@ def test_online_phase_levels_average_each_phase_over_seeds():
              "grpo": {"switches": [{"from": "digits", "before": 0.4}]}}
     assert _phase_levels(table) == {"digits": {"sao": pytest.approx(0.8), "grpo": 0.4},
                                     "capitals": {"sao": 0.5}}
+
+
+def _memory(peak_ratio: float, allocated: bool = True) -> dict:
+    def pair(ratio: float) -> dict:
+        return {"predicted": 100.0 * 2**20, "measured": ratio * 100 * 2**20, "ratio": ratio}
+
+    layout = {"state": pair(1.0), "activations": pair(1.05), "prediction": {"kernels": "local"}}
+    layout |= {"peak": pair(peak_ratio), "peak_rss": pair(1.5)} if allocated else {"peak": pair(1.5)}
+    return {"method": "how it was measured", "layouts": {"single": layout, "tp2": layout}}
+
+
+def test_parallel_memory_verdict_holds_the_allocated_peak_to_the_target_and_lists_rss():
+    from bench.report import _parallel_memory
+
+    met = _parallel_memory(_memory(1.04))
+    assert "Peak allocated (state + tensors alive at the forward/backward peak): 2 of 2 layouts within" in met
+    assert "peak RSS is 1.50-1.50x" in met and "not met" not in met
+    assert "| single | peak (allocated) | 100.00 | 104.00 | 1.04 |" in met
+    assert "The peak part of the target is not met" in _parallel_memory(_memory(1.30))
+    old = _parallel_memory(_memory(0, allocated=False))      # a file from before the allocated peak
+    assert "Peak allocated: not measured in this file" in old and "| single | peak (RSS) |" in old
