@@ -33,7 +33,7 @@ def budget_overrides(name: str, steps: int, warmup: int) -> list[str]:
 
 def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False,
         tasks: Optional[list[str]] = None) -> dict:
-    """quick: CI smoke (2 runs); default: every task, 5 algorithms x 3 seeds x 60 steps (about 100 min on
+    """quick: CI smoke (2 runs); default: every task, 5 algorithms x 3 seeds x 60 steps (about 35 min on
     2 CPU cores); full: the same at 150 steps.
 
     `tasks` runs only those tasks (same sizes) and keeps the other tasks' rows of an existing

@@ -70,7 +70,7 @@ def recovery_per_switch(rows: list[dict], rules: tuple) -> list[dict]:
 
 
 def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False) -> dict:
-    """quick: SAO, 2 phases of 1 step; default: 3 methods, 3 seeds, 3 phases of 60 steps (about 40 min
+    """quick: SAO, 2 phases of 1 step; default: 3 methods, 3 seeds, 3 phases of 60 steps (about 15 min
     on 2 CPU cores); full: 3 methods, 5 seeds, 4 phases of 60 steps (back to the first style)."""
     from rollout.environments import DEFAULT_RULES
 

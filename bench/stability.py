@@ -33,7 +33,7 @@ def collapse_signals(rows: list[dict]) -> dict:
 
 
 def run(quick: bool = False, out_dir: Path = Path("results")) -> dict:
-    """quick: 3 steps of SAO; default: the paper's 1000 steps of SAO, GRPO and GRPO+DIS (about 40 min on
+    """quick: 3 steps of SAO; default: the paper's 1000 steps of SAO, GRPO and GRPO+DIS (about 22 min on
     2 CPU cores). There is no longer version: `sao bench stability --full` runs the default."""
     steps = 3 if quick else 1000
     algos = ["sao"] if quick else ["sao", "grpo", "grpo_dis"]

@@ -80,9 +80,12 @@ def test_stability_verdict_says_what_the_signals_show():
     steady = _stability_verdict({"results": {"sao": _signals(0.14, 0.03, 0.01), "grpo": _signals(0.18, 0.17)}})
     assert "SAO's drop is the smallest (0.030)" in steady
     assert "grpo (0.180) ends above SAO (0.140)" in steady            # gap 0.04 > SAO's own swing 0.03
+    assert "neither confirms nor refutes" not in steady               # grpo dropped more than twice SAO's drop
     assert "stable, but not improving" in steady                      # SAO's entropy collapsed
     close = _stability_verdict({"results": {"sao": _signals(0.14, 0.03), "grpo": _signals(0.16, 0.17)}})
     assert "ends above" not in close and "not improving" not in close
+    small = _stability_verdict({"results": {"sao": _signals(0.14, 0.06), "grpo": _signals(0.16, 0.08)}})
+    assert "every other drop (grpo 0.080) is within twice SAO's" in small and "neither confirms nor refutes" in small
     worse = _stability_verdict({"results": {"sao": _signals(0.1, 0.2), "grpo": _signals(0.2, 0.05)}})
     assert "SAO's drop is not the smallest (grpo's is)" in worse
     assert "These are" not in worse                                   # 1000 steps: the paper's length
