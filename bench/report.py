@@ -484,17 +484,16 @@ def _parallel_memory(mem: Optional[dict]) -> str:
         ratios = [p[quantity]["ratio"] for p in layouts if p.get(quantity, {}).get("ratio") is not None]
         return f"{min(ratios):.2f}-{max(ratios):.2f}x" if ratios else "n/a"
 
-    allocated = all("peak_rss" in p for p in layouts)
-    peak_key = "peak" if allocated else None
+    allocated = all("peak_rss" in p for p in layouts)     # else "peak" is the RSS peak
     rss_key = "peak_rss" if allocated else "peak"
     kernels = next(iter(layouts))["prediction"].get("kernels", "te")
     text = (f"Target: prediction within {tol:.0%}. Parameters + gradients + optimizer state: "
             f"{sum(within('state'))} of {len(within('state'))} layouts within. Activations (bytes saved for "
             f"backward, planner with `{kernels}` kernels): {sum(within('activations'))} of "
             f"{len(within('activations'))} layouts within.")
-    if peak_key:
+    if allocated:
         text += (f" Peak allocated (state + tensors alive at the forward/backward peak): "
-                 f"{sum(within(peak_key))} of {len(within(peak_key))} layouts within ({span(peak_key)} the "
+                 f"{sum(within('peak'))} of {len(within('peak'))} layouts within ({span('peak')} the "
                  f"predicted state + activations).")
     else:
         text += " Peak allocated: not measured in this file (rerun `sao bench parallel`)."
