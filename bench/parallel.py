@@ -31,6 +31,7 @@ the model was built with: Megatron's local spec on CPU, Transformer Engine on GP
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import tempfile
@@ -76,6 +77,24 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
+@contextlib.contextmanager
+def _reading_at_prepare_grads(model, read):
+    """While active, `read()` runs when the optimizer's prepare_grads is called (after forward and
+    backward of every micro-batch, before the optimizer step); yields the readings taken."""
+    readings = []
+    prepare = model.optimizer.prepare_grads
+
+    def read_then_prepare():
+        readings.append(read())
+        return prepare()
+
+    model.optimizer.prepare_grads = read_then_prepare
+    try:
+        yield readings
+    finally:
+        model.optimizer.prepare_grads = prepare
+
+
 def _peak_growth(model, step) -> dict:
     """Bytes by which the process's resident set grows at its peak while `step()` runs: up to the
     optimizer's prepare_grads call (forward and backward of every micro-batch) and over the whole step."""
@@ -84,22 +103,12 @@ def _peak_growth(model, step) -> dict:
         ctypes.CDLL("libc.so.6").malloc_trim(0)   # return freed heap pages, so reuse is not hidden
     except OSError:
         pass
-    marks = {}
-    prepare = model.optimizer.prepare_grads
-
-    def mark_then_prepare():
-        marks["forward_backward"] = _status_kib("VmHWM")
-        return prepare()
-
-    model.optimizer.prepare_grads = mark_then_prepare
-    try:
+    with _reading_at_prepare_grads(model, lambda: _status_kib("VmHWM")) as readings:
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS (Linux >= 4.0)
         before = _status_kib("VmRSS")
         step()
         peak = _status_kib("VmHWM")
-    finally:
-        model.optimizer.prepare_grads = prepare
-    return {"forward_backward": (marks["forward_backward"] - before) * 1024, "whole_step": (peak - before) * 1024}
+    return {"forward_backward": (readings[0] - before) * 1024, "whole_step": (peak - before) * 1024}
 
 
 def saved_activation_bytes(model, step) -> int:
@@ -168,21 +177,10 @@ def live_tensor_peak(model, step) -> dict:
     """Peak bytes of tensors `step()` allocates (LiveTensorPeak): during forward and backward (up to
     the optimizer's prepare_grads call) and over the whole step."""
     gc.collect()
-    marks = {}
-    prepare = model.optimizer.prepare_grads
     mode = LiveTensorPeak()
-
-    def mark_then_prepare():
-        marks["forward_backward"] = mode.peak
-        return prepare()
-
-    model.optimizer.prepare_grads = mark_then_prepare
-    try:
-        with mode:
-            step()
-    finally:
-        model.optimizer.prepare_grads = prepare
-    return {"forward_backward": marks["forward_backward"], "whole_step": mode.peak}
+    with _reading_at_prepare_grads(model, lambda: mode.peak) as readings, mode:
+        step()
+    return {"forward_backward": readings[0], "whole_step": mode.peak}
 
 
 def kernels_of(model) -> str:

@@ -375,8 +375,8 @@ def _stability_verdict(r: dict) -> str:
             text += (" But every other drop (" + ", ".join(f"{a} {res[a]['max_reward_drop']:.3f}" for a in others)
                      + ") is within twice SAO's: no collapse of the group methods is measured, so this neither "
                      "confirms nor refutes the claim that SAO stays stable where GRPO collapses.")
-        noise = res["sao"]["max_reward_drop"]   # SAO's own swing: smaller gaps are not counted
-        higher = [a for a in res if res[a]["final_reward"] > res["sao"]["final_reward"] + noise]
+        # SAO's own swing is the noise: a method must end above SAO by more than that to count
+        higher = [a for a in res if res[a]["final_reward"] > res["sao"]["final_reward"] + sao_drop]
         if higher:
             text += (" Yet " + ", ".join(f"{a} ({res[a]['final_reward']:.3f})" for a in higher)
                      + f" end{'s' if len(higher) == 1 else ''} above SAO ({res['sao']['final_reward']:.3f}) by more "
