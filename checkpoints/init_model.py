@@ -31,6 +31,10 @@ PRESETS: dict[tuple[str, str], dict] = {
         norm_topk_prob=True, max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
         decoder_sparse_step=1, router_aux_loss_coef=0.0,
     ),
+    # GLM-4.5 and GLM-5-class: checkpoints/tiny_models.py's shapes (first layer dense, one shared
+    # expert, sigmoid router with correction bias), with this tokenizer's vocabulary and special ids.
+    ("glm4_moe", "tiny"): dict(max_position_embeddings=1024),
+    ("glm5", "tiny"): dict(max_position_embeddings=1024),
 }
 
 
@@ -68,13 +72,17 @@ def init_model(out_dir: str | Path, arch: str = "qwen3_moe", preset: str = "tiny
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     shape = PRESETS[(arch, preset)]
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-        **shape,
-    )
-    torch.manual_seed(seed)
-    model = transformers.Qwen3MoeForCausalLM(config)
+    ids = dict(vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id)
+    if arch == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**ids, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                                             **shape)
+        torch.manual_seed(seed)
+        model = transformers.Qwen3MoeForCausalLM(config)
+    else:
+        from .tiny_models import build_tiny_model
+
+        model = build_tiny_model(arch, seed, **ids, **shape)
     model.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -15,16 +15,25 @@ COMMON = dict(vocab_size=105, hidden_size=64, intermediate_size=128, moe_interme
 
 def make_tiny_hf(out_dir: str | Path, arch: str, seed: int = 0) -> Path:
     """Write config.json + model.safetensors of a tiny random `arch` ("glm4_moe" | "glm5") model."""
+    out = Path(out_dir)
+    build_tiny_model(arch, seed).save_pretrained(out)
+    return out
+
+
+def build_tiny_model(arch: str, seed: int = 0, **overrides):
+    """A tiny random `arch` ("glm4_moe" | "glm5") transformers model; `overrides` change COMMON's
+    fields (checkpoints/init_model.py passes its tokenizer's vocabulary and special ids)."""
     import torch
     import transformers
 
+    fields = {**COMMON, **overrides}
     if arch == "glm4_moe":
-        config = transformers.Glm4MoeConfig(**COMMON, num_key_value_heads=2, head_dim=32, attention_bias=True,
+        config = transformers.Glm4MoeConfig(**fields, num_key_value_heads=2, head_dim=32, attention_bias=True,
                                             use_qk_norm=True)
         model_cls = transformers.Glm4MoeForCausalLM
     elif arch == "glm5":
         # index_topk above any test length: the DSA indexer keeps every key, so attention is dense MLA
-        config = transformers.GlmMoeDsaConfig(**COMMON, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
+        config = transformers.GlmMoeDsaConfig(**fields, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
                                               qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, head_dim=16,
                                               index_topk=2048, index_head_dim=32, index_n_heads=2)
         model_cls = transformers.GlmMoeDsaForCausalLM
@@ -36,6 +45,4 @@ def make_tiny_hf(out_dir: str | Path, arch: str, seed: int = 0) -> Path:
         for name, buf in model.named_buffers():
             if "e_score_correction_bias" in name:
                 buf.copy_(torch.randn_like(buf) * 0.1)
-    out = Path(out_dir)
-    model.save_pretrained(out)
-    return out
+    return model
