@@ -26,6 +26,8 @@ import sys
 from dataclasses import dataclass
 from typing import Mapping
 
+from sao_megatron.core.ports import free_port
+
 DEFAULT_TIMEOUT_S = 300.0
 _PORT_BASE, _PORT_SPAN = 20000, 20000
 
@@ -120,12 +122,6 @@ def job_port(job_id: str) -> int:
     return _PORT_BASE + int(job_id) % _PORT_SPAN
 
 
-def free_port(host: str = "") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def master_endpoint(info: RankInfo, env: Mapping[str, str] | None = None) -> tuple[str, int]:
     """(MASTER_ADDR, MASTER_PORT) every rank agrees on, found the launcher's way."""
     env = os.environ if env is None else env
@@ -155,7 +151,7 @@ def _broadcast_endpoint(addr: str | None, port: int) -> tuple[str, int]:
     endpoint = None
     if world.Get_rank() == 0:
         host = addr or _my_address()
-        endpoint = (host, port or free_port())
+        endpoint = (host, port or free_port(""))   # every interface: other nodes connect to it
     return tuple(world.bcast(endpoint, root=0))
 
 

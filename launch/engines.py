@@ -19,6 +19,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from sao_megatron.config import ConfigError
+from sao_megatron.core.processes import pid_alive
 
 ENGINE_PORT = 30000      # first engine port on a rollout node
 DIST_INIT_PORT = 29600   # SGLang multi-node rendezvous port (+ engine index)
@@ -112,7 +113,7 @@ def wait_ready(urls: list[str], timeout_s: float, poll_s: float = 2.0, watch_pid
     pending = list(urls)
     last: dict[str, str] = {}
     while pending:
-        dead = [pid for pid in watch_pids if not _alive(pid)]
+        dead = [pid for pid in watch_pids if not pid_alive(pid)]
         if dead:
             raise RuntimeError(f"engine step(s) {dead} exited before {len(pending)} engine(s) became healthy; "
                                "see the engine logs in the run dir")
@@ -131,18 +132,6 @@ def wait_ready(urls: list[str], timeout_s: float, poll_s: float = 2.0, watch_pid
             detail = "; ".join(f"{u}: {last.get(u, 'no answer')}" for u in pending)
             raise RuntimeError(f"engines not healthy after {timeout_s:.0f}s: {detail}; see the engine logs in the run dir")
         time.sleep(poll_s)
-
-
-def _alive(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,12 +15,14 @@ import io
 import multiprocessing as mp
 import os
 import queue
-import socket
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+from sao_megatron.core.backends import resolve_backend
+from sao_megatron.core.ports import free_port
 
 from .dims import ParallelDims
 
@@ -59,14 +61,6 @@ def _rank_env_from_mpi4py() -> RankEnv:
     comm = MPI.COMM_WORLD
     local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
     return RankEnv(comm.Get_rank(), comm.Get_size(), local, "mpirun")
-
-
-def resolve_backend(backend: str = "auto") -> str:
-    if backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise RuntimeError("backend nccl needs CUDA; this machine has none: use backend gloo")
-    return backend
 
 
 def init_distributed(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> RankEnv:
@@ -145,12 +139,6 @@ def comm_device() -> torch.device:
     if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _rank_main(fn, rank, world_size, port, backend, args, results) -> None:

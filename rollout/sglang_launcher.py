@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from sao_megatron.core.ports import free_port
 
 
 @dataclass
@@ -111,12 +112,6 @@ def _signal_group(process: subprocess.Popen, sig: int) -> None:
         os.killpg(process.pid, sig)   # the server was started in its own session: pgid == pid
     except ProcessLookupError:
         pass
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def launch_sglang(recipe, index: int, port: int, api_key: str, log_path: str | Path,

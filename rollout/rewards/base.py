@@ -15,18 +15,13 @@ import math
 from concurrent.futures import Executor
 from typing import Any, Awaitable, Callable, Optional, Union
 
-from sao_megatron.config.imports import resolve_import_path
+from sao_megatron.core.imports import resolve_import_path
 from sao_megatron.records import Sample, SampleStatus
 
 log = logging.getLogger(__name__)
 
 RewardOut = Union[float, int, dict]
 RewardFn = Callable[[Sample], Union[RewardOut, Awaitable[RewardOut]]]
-
-
-def import_object(path: str, field: str = "rollout.reward_fn") -> Any:
-    """Import 'pkg.mod:name' (or 'pkg.mod.name')."""
-    return resolve_import_path(path, field)
 
 
 def resolve_reward_fn(cfg) -> RewardFn:
@@ -36,7 +31,7 @@ def resolve_reward_fn(cfg) -> RewardFn:
     from the rollout config; any other callable is used as is.
     """
     if cfg.reward_fn:
-        obj = import_object(cfg.reward_fn)
+        obj = resolve_import_path(cfg.reward_fn, "rollout.reward_fn")
         if hasattr(obj, "from_config"):
             obj = obj.from_config(cfg)
         if not callable(obj):

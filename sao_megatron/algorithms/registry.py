@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
-from sao_megatron.config.imports import resolve_import_path
+from sao_megatron.core.imports import resolve_import_path
 from sao_megatron.config.presets import PRESETS
 
 from . import advantages as adv
@@ -118,15 +118,10 @@ POLICY_LOSSES: dict[str, Callable] = _with_recipe_names(_LOSS_FUNCTIONS, "algori
 ADVANTAGE_ESTIMATORS: dict[str, Callable] = _with_recipe_names(_ESTIMATORS, "algorithm.advantage")
 
 
-def load_import_path(path: str, field: str) -> Callable:
-    """Resolve ``'pkg.mod:fn'`` to a callable; a one-line error names ``field`` on any failure."""
-    return resolve_import_path(path, field, want_callable=True)
-
-
 def get_policy_loss(name: str) -> Callable:
     """Loss adapter for a loss name, a recipe name or ``'pkg.mod:fn'``."""
     if ":" in name:
-        return load_import_path(name, "algorithm.loss")
+        return resolve_import_path(name, "algorithm.loss", want_callable=True)
     if name not in POLICY_LOSSES:
         raise ValueError(f"algorithm.loss: unknown {name!r}; fix: use one of {', '.join(sorted(POLICY_LOSSES))} "
                          "or 'pkg.mod:fn'")
@@ -136,7 +131,7 @@ def get_policy_loss(name: str) -> Callable:
 def get_advantage_estimator(name: str) -> Callable:
     """Estimator for an estimator name, a recipe name or ``'pkg.mod:fn'``."""
     if ":" in name:
-        return load_import_path(name, "algorithm.advantage")
+        return resolve_import_path(name, "algorithm.advantage", want_callable=True)
     if name not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"algorithm.advantage: unknown {name!r}; fix: use one of "
                          f"{', '.join(sorted(ADVANTAGE_ESTIMATORS))}")

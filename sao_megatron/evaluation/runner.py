@@ -18,7 +18,7 @@ from typing import Optional
 
 from rollout.engine import Engine, GenerateRequest
 from sao_megatron.config.errors import ConfigError
-from sao_megatron.config.imports import resolve_import_path
+from sao_megatron.core.imports import resolve_import_path
 
 from .scores import summarize
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.bootstrap import (RankInfo, discover, expand_nodelist, export_torch_env, free_port, job_port,
-                              master_endpoint)
+from launch.bootstrap import RankInfo, discover, expand_nodelist, export_torch_env, job_port, master_endpoint
+from sao_megatron.core.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from launch.bootstrap import free_port
+from sao_megatron.core.ports import free_port
 from launch.engines import main, wait_ready
 
 
