@@ -189,8 +189,8 @@ async def init_group(state: ServerState, request: web.Request) -> web.Response:
     rank, world = _required(body, "rank_offset", int), _required(body, "world_size", int)
     name = parse_optional(body, "group_name", str, "weight_update_group")
     backend = parse_optional(body, "backend", str, "nccl")
-    if backend == "nccl":
-        backend = "gloo"   # the reference server runs on CPU: its side of the group is gloo
+    if backend == "nccl" and state.runner.device.type != "cuda":
+        backend = "gloo"   # a CPU server's side of the group is gloo (on CUDA, --device cuda, it stays nccl)
     if name in state.groups:
         return _result(False, f"group {name!r} already exists; destroy it first")
     loop = asyncio.get_running_loop()
@@ -244,7 +244,7 @@ async def update_from_distributed(state: ServerState, request: web.Request) -> w
     loop = asyncio.get_running_loop()
     try:   # receive first, even if a name is wrong, so the collective stays in step with the sender
         tensors = await loop.run_in_executor(state.transfer, lambda: receive_tensors(
-            names, torch_dtypes, shapes, group, load_format == "flattened_bucket"))
+            names, torch_dtypes, shapes, group, load_format == "flattened_bucket", state.runner.device))
     except RuntimeError as err:
         return _result(False, str(err))
     return await _load(state, tensors, version)

@@ -30,10 +30,11 @@ class SlotCache:
 
     is_compileable = False
 
-    def __init__(self, num_layers: int, max_batch: int, kv_heads: int, head_dim: int, dtype, capacity: int):
+    def __init__(self, num_layers: int, max_batch: int, kv_heads: int, head_dim: int, dtype, capacity: int,
+                 device: torch.device | str = "cpu"):
         shape = (max_batch, kv_heads, capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.rows = self.kv_len = 0
         self.write_rows = self.write_pos = self.src_rows = self.src_cols = None
 
@@ -75,17 +76,23 @@ class StepOutput:
 
 
 class ModelRunner:
-    """Loads the model once; `forward(chunks, lengths)` runs one step over rows 0..len(chunks)-1."""
+    """Loads the model once; `forward(chunks, lengths)` runs one step over rows 0..len(chunks)-1.
 
-    def __init__(self, model_dir: str | Path, dtype: str = "fp32", max_batch: int = 64, max_context: int = 0):
+    ``device`` holds the weights and the KV slab (``cuda`` for the GPU check kit); what leaves a step
+    (last logits, routes) comes back on the CPU, where the scheduler samples.
+    """
+
+    def __init__(self, model_dir: str | Path, dtype: str = "fp32", max_batch: int = 64, max_context: int = 0,
+                 device: str = "cpu"):
         import transformers
 
         if dtype not in DTYPES:
             raise ValueError(f"--dtype {dtype!r} unknown; use one of {sorted(DTYPES)}")
         torch.set_grad_enabled(False)
+        self.device = torch.device(device)
         self.model_dir = str(model_dir)
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            self.model_dir, dtype=DTYPES[dtype], attn_implementation="sdpa").eval()
+            self.model_dir, dtype=DTYPES[dtype], attn_implementation="sdpa").to(self.device).eval()
         cfg = self.model.config
         self.config = cfg
         self.dtype = DTYPES[dtype]
@@ -98,7 +105,7 @@ class ModelRunner:
             module.register_forward_hook(self._make_hook(i))
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache = SlotCache(cfg.num_hidden_layers, max_batch, cfg.num_key_value_heads, head_dim,
-                               self.dtype, capacity=min(256, self.max_context))
+                               self.dtype, capacity=min(256, self.max_context), device=self.device)
 
     @property
     def num_moe_layers(self) -> int:
@@ -134,28 +141,29 @@ class ModelRunner:
         start = torch.tensor(lengths, dtype=torch.long)
         positions = start[:, None] + torch.arange(q)[None, :]
         valid = torch.arange(q)[None, :] < torch.tensor([len(c) for c in chunks])[:, None]   # [rows, q]
+        ids, positions, valid = ids.to(self.device), positions.to(self.device), valid.to(self.device)
         src_rows, src_cols = valid.nonzero(as_tuple=True)
         self.cache.rows, self.cache.kv_len = rows, kv_len
         self.cache.write_rows, self.cache.write_pos = src_rows, positions[src_rows, src_cols]
         self.cache.src_rows, self.cache.src_cols = src_rows, src_cols
-        key_pos = torch.arange(kv_len)
+        key_pos = torch.arange(kv_len, device=self.device)
         mask = key_pos[None, None, :] <= positions[:, :, None]
         mask &= valid[:, :, None] | (key_pos[None, None, :] == 0)
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask[:, None],
                          cache=self.cache, use_cache=True)
-        last = torch.tensor([len(c) - 1 for c in chunks])
-        last_logits = out.logits[torch.arange(rows), last].float()
+        last = torch.tensor([len(c) - 1 for c in chunks], device=self.device)
+        last_logits = out.logits[torch.arange(rows, device=self.device), last].float().cpu()
         routes = self._split_routes(rows, q, chunks) if want_routes and self.routers else None
         return StepOutput(last_logits=last_logits, routes=routes)
 
     def _split_routes(self, rows: int, q: int, chunks: list[list[int]]) -> list[torch.Tensor]:
-        stacked = torch.stack([c.reshape(rows, q, -1) for c in self._captured], dim=2).to(torch.int32)
+        stacked = torch.stack([c.reshape(rows, q, -1) for c in self._captured], dim=2).to(torch.int32).cpu()
         return [stacked[b, : len(chunks[b])].clone() for b in range(rows)]
 
     def teacher_forced(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Plain HF forward of one sequence: (fp32 logits [T, vocab], routes int32 [T, layers, topk])."""
-        out = self.model(input_ids=torch.tensor([tokens]), use_cache=False)
+        """Plain HF forward of one sequence: (fp32 logits [T, vocab], routes int32 [T, layers, topk]), on the CPU."""
+        out = self.model(input_ids=torch.tensor([tokens], device=self.device), use_cache=False)
         routes = None
         if self.routers:
-            routes = torch.stack([c.reshape(len(tokens), -1) for c in self._captured], dim=1).to(torch.int32)
-        return out.logits[0].float(), routes
+            routes = torch.stack([c.reshape(len(tokens), -1) for c in self._captured], dim=1).to(torch.int32).cpu()
+        return out.logits[0].float().cpu(), routes

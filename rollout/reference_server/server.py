@@ -24,6 +24,7 @@ class ServeOptions:
     max_batch: int = 64
     max_context: int = 0             # 0 = the model's max_position_embeddings
     dtype: str = "fp32"
+    device: str = "cpu"              # where the model runs: cpu, cuda or cuda:N (the GPU check kit)
     weight_version: int = 0
     weight_sync_timeout_s: float = 600.0
     seed: int | None = None          # base sampling seed for requests without sampling_seed
@@ -41,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", type=int, default=64, help="requests decoded together (KV slots)")
     parser.add_argument("--max-context", type=int, default=0, help="prompt+output token limit (0 = model's)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--device", default="cpu",
+                        help="where the model runs: cpu (default), cuda or cuda:N; on CUDA an nccl weight-update "
+                             "group stays nccl")
     parser.add_argument("--weight-version", type=int, default=0, help="version of the weights loaded at start")
     parser.add_argument("--weight-sync-timeout-s", type=float, default=600.0,
                         help="timeout of weight-group formation and of each broadcast receive")
@@ -54,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
     return ServeOptions(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
                         max_batch=args.max_batch, max_context=args.max_context, dtype=args.dtype,
+                        device=args.device,
                         weight_version=args.weight_version, weight_sync_timeout_s=args.weight_sync_timeout_s,
                         seed=args.seed, threads=args.threads, port_file=args.port_file,
                         parent_pid=args.parent_pid)
@@ -67,6 +72,23 @@ def check_options(opts: ServeOptions) -> None:
         raise ValueError(f"--max-batch {opts.max_batch} < 1; use 1 or more")
     if not 0 <= opts.port < 65536:
         raise ValueError(f"--port {opts.port} out of range; use 0 or 1024-65535")
+    _check_device(opts.device)
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    try:
+        where = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if where.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device!r}: the reference server runs on cpu or cuda only")
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: this machine has no CUDA; use --device cpu")
+    if where.type == "cuda" and (where.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: only {torch.cuda.device_count()} GPU(s) visible; use cuda:0.."
+                         f"cuda:{torch.cuda.device_count() - 1}")
 
 
 def build_state(opts: ServeOptions):
@@ -78,7 +100,8 @@ def build_state(opts: ServeOptions):
 
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    runner = ModelRunner(opts.model, dtype=opts.dtype, max_batch=opts.max_batch, max_context=opts.max_context)
+    runner = ModelRunner(opts.model, dtype=opts.dtype, max_batch=opts.max_batch, max_context=opts.max_context,
+                         device=opts.device)
     tokenizer = _load_tokenizer(opts.model)
     eos = runner.config.eos_token_id
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))

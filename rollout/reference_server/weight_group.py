@@ -60,17 +60,22 @@ def _broadcast(tensor: torch.Tensor, group, what: str) -> None:
 
 
 def receive_tensors(names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]], group,
-                    flattened_bucket: bool) -> list[tuple[str, torch.Tensor]]:
-    """Receive one update call's tensors in the layout above; returns (name, tensor) in order."""
+                    flattened_bucket: bool, device: torch.device | str = "cpu") -> list[tuple[str, torch.Tensor]]:
+    """Receive one update call's tensors in the layout above; returns (name, tensor) in order.
+
+    An nccl group receives into `device` (the server's GPU); gloo always receives on the CPU."""
+    import torch.distributed as dist
+
+    device = device if dist.get_backend(group) == "nccl" else "cpu"
     if not flattened_bucket:
         out = []
         for name, dtype, shape in zip(names, dtypes, shapes):
-            tensor = torch.empty(shape, dtype=dtype)
+            tensor = torch.empty(shape, dtype=dtype, device=device)
             _broadcast(tensor, group, f"tensor {name!r}")
             out.append((name, tensor))
         return out
     sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for dtype, shape in zip(dtypes, shapes)]
-    flat = torch.empty(sum(sizes), dtype=torch.uint8)
+    flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
     _broadcast(flat, group, f"flattened bucket of {len(names)} tensors ({flat.numel()} bytes)")
     return unflatten_bucket(flat, names, dtypes, shapes)
 
