@@ -10,7 +10,7 @@ ratio = (s/token of layout) / (s/token of one rank): < 1 means the layout is fas
 both ranks share the same cores, so the ratio measures parallel overhead (collectives, SP gathers,
 all-to-all), not the speed-up a GPU node gives.
 
-Memory, per rank, compared with parallel/planner.py's model_memory for the same layout (fp32, no
+Memory, per rank, compared with parallel/planner's model_memory for the same layout (fp32, no
 recompute, one micro-batch of rows x seq tokens in flight, no distributed optimizer, and the kernels
 the model was built with: Megatron's local spec on CPU, Transformer Engine on GPUs):
 - state: bytes of the parameters + Megatron main-grad buffers + optimizer state (Adam m, v, step)
@@ -264,7 +264,7 @@ def _compare(per_rank: list[dict], prediction: dict) -> dict:
 
 
 MEMORY_METHOD = (
-    "Memory per rank, measured vs `sao plan` (parallel/planner.py model_memory, same layout, fp32, one "
+    "Memory per rank, measured vs `sao plan` (parallel/planner model_memory, same layout, fp32, one "
     "micro-batch in flight, the kernels the model was built with: Megatron's local spec on CPU). *state* = bytes "
     "of parameters + main-grad buffers + Adam state actually allocated (tensor storages, deduplicated) vs "
     "predicted weights + gradients + optimizer. *activations* = bytes autograd saves for backward during one "

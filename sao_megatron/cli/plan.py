@@ -1,7 +1,7 @@
 """`sao plan RECIPE.toml --gpus N --gpu h100|h200`: memory per GPU for the recipe's layout, and layouts that fit.
 
 Exit code 0 when the recipe's own layout fits, 1 when it does not (the suggestions say what would).
-Formulas: parallel/planner.py and docs/cluster.md.
+Formulas: parallel/planner/ and docs/cluster.md.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`sao plan`'s activation term against the bytes autograd really saves: the tiny MoE under the local
 spec (what runs on CPU), one rank and TP2, one micro-batch of 2 rows x 48 tokens. The planner counts
-each saved tensor from formulas (parallel/planner.py _local_layer_elems); the measurement hooks every
+each saved tensor from formulas (parallel/planner/activations.py _local_layer_elems); the measurement hooks every
 tensor saved for backward (bench/parallel.py saved_activation_bytes). The step's peak (state + the
 tensors alive at the forward/backward peak, bench/parallel.py live_tensor_peak) is held to the planner's
 state + activations the same way."""
