@@ -23,6 +23,8 @@ The list and the reasons come from ../shared/notes/megatron-cpu.md:
 10. Uneven all-gather / reduce-scatter along the first dim (expert-TP groups of the alltoall
    dispatcher, TP x EP): gloo needs equal sizes, so the gather pads to the largest split and trims,
    and the reduce-scatter becomes an all-reduce of the whole tensor followed by this rank's slice.
+11. ``torch.autograd.backward`` / ``Tensor.backward`` run with the device mode (5) still on, so the
+   forward that activation recompute re-runs inside backward allocates on the CPU too.
 """
 from __future__ import annotations
 
@@ -203,7 +205,29 @@ class _CudaToCpuMode(TorchFunctionMode):
             kwargs["device"] = _to_cpu_device(kwargs["device"])
         if func in (torch.Tensor.to,) and args and len(args) > 1:
             args = (args[0], _to_cpu_device(args[1])) + tuple(args[2:])
+        if func in (torch.autograd.backward, torch.Tensor.backward) and kwargs.get("inputs") is None:
+            return _backward_in_mode(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _backward_in_mode(tensors, grad_tensors=None, retain_graph=None, create_graph=False, gradient=None,
+                      **_) -> None:
+    """torch.autograd.backward with the device mode pushed, through the engine as Megatron's
+    custom_backward does. A mode is off inside its own handler and the engine keeps the modes that
+    were on when backward began, so activation recompute (model.recompute = full: forward re-run
+    inside backward, e.g. get_default_causal_mask's device="cuda") would otherwise reach CUDA."""
+    from torch.autograd import Variable
+
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    grad_tensors = gradient if grad_tensors is None else grad_tensors   # Tensor.backward's name for it
+    grads = grad_tensors if isinstance(grad_tensors, (tuple, list)) else (grad_tensors,) * len(tensors)
+    for t, g in zip(tensors, grads):
+        if g is None and t.numel() != 1:
+            raise RuntimeError("grad can be implicitly created only for scalar outputs")
+    grads = tuple(torch.ones_like(t) if g is None else g for t, g in zip(tensors, grads))
+    with _CudaToCpuMode():
+        Variable._execution_engine.run_backward(tensors, grads, bool(retain_graph or create_graph), create_graph,
+                                                (), allow_unreachable=True, accumulate_grad=True)
 
 
 @functools.lru_cache(maxsize=1)

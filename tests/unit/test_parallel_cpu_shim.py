@@ -160,3 +160,38 @@ def _thread_mode() -> dict:
 def test_device_mode_is_entered_per_thread():
     seen = run_distributed_test(_thread_mode, world_size=1, timeout_s=240)[0]
     assert seen == {"before": False, "entered": True, "after": "cpu"}
+
+
+class _AllocatesCudaInBackward(torch.autograd.Function):
+    """Backward allocates on "cuda", as Megatron's activation recompute does (get_default_causal_mask)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * torch.full((1,), 2.0, device="cuda")
+
+
+def _backward_keeps_mode() -> dict:
+    seen = {}
+    for name, run in {"autograd_backward": lambda y: torch.autograd.backward(y),
+                      "tensor_backward": lambda y: y.backward(),
+                      "explicit_grad": lambda y: torch.autograd.backward(y, grad_tensors=torch.tensor(3.0))}.items():
+        x = torch.ones(3, requires_grad=True)
+        run(_AllocatesCudaInBackward.apply(x).sum())
+        seen[name] = x.grad.tolist()
+    try:
+        torch.autograd.backward(_AllocatesCudaInBackward.apply(torch.ones(3, requires_grad=True)))
+    except RuntimeError as err:
+        seen["non_scalar"] = str(err)
+    return seen
+
+
+def test_backward_runs_with_the_device_mode():
+    """model.recompute = full re-runs forward inside backward: it must still see the CPU rewrite."""
+    seen = run_distributed_test(_backward_keeps_mode, world_size=1, timeout_s=240)[0]
+    assert seen["autograd_backward"] == seen["tensor_backward"] == [2.0] * 3
+    assert seen["explicit_grad"] == [6.0] * 3
+    assert "only for scalar outputs" in seen["non_scalar"]
