@@ -135,7 +135,7 @@ async def _serve(opts: ServeOptions) -> None:
         tmp = Path(opts.port_file + ".tmp")
         tmp.write_text(str(port))
         tmp.rename(opts.port_file)    # atomic: a reader never sees a half-written port
-    log.info("sao reference server on http://%s:%d (model %s)", opts.host, port, opts.model)
+    log.info("sao reference server on http://%s:%d (model %s on %s)", opts.host, port, opts.model, opts.device)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
