@@ -3,11 +3,14 @@
 A micro-batch is a TrainBatch of right-padded rows; its cost is rows x padded length. Rows are
 taken in order (no reordering, so results map back to the caller's rows) and a new micro-batch
 starts when adding a row would exceed the budget. The padded length is rounded up to a multiple of
-`seq_multiple` (tp under sequence parallel: Megatron splits the sequence evenly over TP ranks).
+`seq_multiple(...)`: the splits of the sequence over ranks must be even, and FP8 GEMMs need whole
+blocks of tokens.
 """
 from __future__ import annotations
 
 from dataclasses import fields, replace
+
+import math
 
 import torch
 
@@ -19,6 +22,25 @@ _ROW_FIELDS = ("tokens", "lengths", "loss_mask", "rollout_logprobs", "advantages
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def seq_multiple(tp: int = 1, sequence_parallel: bool = False, cp: int = 1, fp8: str = "none") -> int:
+    """The multiple every micro-batch's padded sequence length must be.
+
+    - sequence parallel: Megatron splits the sequence evenly over the tp ranks;
+    - context parallel: 2*cp equal chunks (context_parallel.py), each then split over tp under SP;
+    - FP8 (model.fp8 != none): Transformer Engine's FP8 GEMMs need the token count of every GEMM a
+      multiple of 8 (16 is the safe value Megatron pads to; 32 for mxfp8's 32-element blocks,
+      megatron/core/models/multimodal/context_parallel.py get_padding). Every rank's own slice of
+      the sequence (seq / (cp * tp under SP)) is made a whole number of such blocks, so it holds
+      whether TE quantizes before or after the sequence-parallel all-gather.
+    """
+    split = (tp if sequence_parallel else 1) * cp
+    even = split * (2 if cp > 1 else 1)
+    if fp8 in ("none", "", None):
+        return even
+    block = 32 if fp8 == "mxfp8" else 16
+    return math.lcm(even, split * block)
 
 
 def slice_rows(batch: TrainBatch, rows: slice, seq_len: int) -> TrainBatch:

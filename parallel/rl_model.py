@@ -24,11 +24,12 @@ from sao_megatron.records import LossOutputs, TrainBatch
 from . import model_build, specs
 from .dims import ParallelDims
 from .distributed import comm_device
+from .context_parallel import ContextParallel
 from .hf_mapping import HFMapping
-from .logprobs import token_logprobs_from_logits
+from .logprobs import shift_to_tokens, token_logprobs_from_logits
 from .offload import ModelParking
 from .optimizer import OptimSettings, build_optimizer, current_lr, guarded_step, loss_is_finite, wrap_ddp
-from .packing import split_by_token_budget
+from .packing import seq_multiple, split_by_token_budget
 from .routing_replay import RouteReplayer
 from .schedule import configure_per_token_loss, run_schedule
 from .weights import export_hf_tensors, load_hf_tensors
@@ -42,7 +43,9 @@ class RLModel:
         self.role, self.recipe, self.hf_config, self.dims = role, recipe, hf_config, dims
         self.config, self.chunks, self.optimizer, self.clip_grad = config, chunks, optimizer, clip_grad
         self.shape = specs.arch_shape(hf_config)
-        self.seq_multiple = dims.tp if dims.sequence_parallel else 1
+        self.seq_multiple = seq_multiple(dims.tp, dims.sequence_parallel, dims.cp, recipe.model.fp8)
+        self.cp = ContextParallel.from_megatron()
+        self.temperature = recipe.rollout.temperature   # pi is the engine's sampling distribution
         self.replayer = RouteReplayer([c.module for c in chunks], model_build.moe_layer_pattern(config),
                                       self.shape.top_k, dims.sequence_parallel)
         self.parking = ModelParking(self)
@@ -82,7 +85,7 @@ class RLModel:
         return [c.module for c in self.chunks]
 
     def micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
-        """Split rows by parallel.micro_batch_tokens (padded length a multiple of tp under SP)."""
+        """Split rows by parallel.micro_batch_tokens (padded length: packing.seq_multiple)."""
         return split_by_token_budget(batch, self.recipe.parallel.micro_batch_tokens, self.seq_multiple)
 
     # -- weights -----------------------------------------------------------------------------------
@@ -127,18 +130,34 @@ class RLModel:
         try:
             with torch.no_grad():
                 store = run_schedule(self.chunks, self._fill_pipeline(batches), self.seq_multiple, on_output,
-                                     self._before_forward, forward_only=True)
+                                     self._before_forward, forward_only=True, cp=self.cp)
             return store[:len(batches)]
         finally:
             self.replayer.clear()
 
+    def _token_logprobs(self, batch: TrainBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's logits (padded, CP-local) -> logp/entropy [rows, seq] of the batch's tokens
+        under softmax(logits / rollout.temperature), in sequence order on every CP rank."""
+        seq = batch.tokens.shape[1]
+        padded = torch.nn.functional.pad(batch.tokens, (0, logits.shape[1] * self.cp.size - seq))  # as the model saw
+        logp, ent = token_logprobs_from_logits(logits, padded, self.shape.vocab_size, temperature=self.temperature,
+                                               cp=self.cp)
+        return logp[:, :seq], ent[:, :seq]
+
+    def _values(self, batch: TrainBatch, raw: torch.Tensor) -> torch.Tensor:
+        """Value head output (padded, CP-local) [rows, local, 1] -> values [rows, seq]; value at t from
+        the hidden state at t-1, 0 at t = 0."""
+        values = shift_to_tokens(self.cp.gather(raw.squeeze(-1).float()))
+        return values[:, :batch.tokens.shape[1]]
+
     def compute_logprobs(self, batches: list[TrainBatch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per batch (logp [rows, seq], entropy [rows, seq]); no grad; replayed routes when given."""
+        """Per batch (logp [rows, seq], entropy [rows, seq]) at rollout.temperature; no grad; replayed
+        routes when given."""
         self.parking.unpark()
         self._require_role("policy", "compute_logprobs")
 
         def on_output(i, batch, logits):
-            logp, ent = token_logprobs_from_logits(logits, batch.tokens, self.shape.vocab_size)
+            logp, ent = self._token_logprobs(batch, logits)
             return logp.sum(), {"logp": logp, "entropy": ent}
 
         store = self._forward_only(batches, on_output)
@@ -151,7 +170,7 @@ class RLModel:
         self._require_role("critic", "compute_values")
 
         def on_output(i, batch, raw):
-            values = _shift_values(raw)
+            values = self._values(batch, raw)
             return values.sum(), {"values": values}
 
         store = self._forward_only(batches, on_output)
@@ -169,7 +188,7 @@ class RLModel:
         on_output = self._policy_outputs(loss_fn) if self.role == "policy" else self._critic_outputs(loss_fn)
         try:
             store = run_schedule(self.chunks, self._fill_pipeline(batches), self.seq_multiple, on_output,
-                                 self._before_forward)
+                                 self._before_forward, cp=self.cp)
         finally:
             self.replayer.clear()
         metrics = _reduce_metrics(store)
@@ -184,13 +203,13 @@ class RLModel:
 
     def _policy_outputs(self, loss_fn):
         def on_output(i, batch, logits):
-            logp, ent = token_logprobs_from_logits(logits, batch.tokens, self.shape.vocab_size)
+            logp, ent = self._token_logprobs(batch, logits)
             return _call_loss(loss_fn, batch, {"logp": logp, "entropy": ent})
         return on_output
 
     def _critic_outputs(self, loss_fn):
         def on_output(i, batch, raw):
-            return _call_loss(loss_fn, batch, {"values": _shift_values(raw)})
+            return _call_loss(loss_fn, batch, {"values": self._values(batch, raw)})
         return on_output
 
     def _require_role(self, role: str, what: str) -> None:
@@ -273,6 +292,9 @@ def _refuse_gpu_only_options(recipe) -> None:
     """One-line errors, before any process group, for options that need CUDA."""
     if torch.cuda.is_available():
         return
+    if recipe.parallel.cp > 1:
+        raise ValueError(f"parallel.cp = {recipe.parallel.cp} needs CUDA and Transformer Engine (Megatron's local "
+                         "attention asserts cp == 1); fix: set parallel.cp = 1 on CPU")
     if recipe.parallel.optimizer_offload:
         raise ValueError("parallel.optimizer_offload needs CUDA (it moves Adam state from the GPU to the host); "
                          "fix: set parallel.optimizer_offload = false on CPU")
@@ -308,11 +330,6 @@ def _call_loss(loss_fn, batch: TrainBatch, outputs: dict) -> tuple[torch.Tensor,
     metrics = {k: float(v) for k, v in result.metrics.items()}
     metrics["loss"] = float(result.loss.detach())
     return result.loss, metrics
-
-
-def _shift_values(raw: torch.Tensor) -> torch.Tensor:
-    values = raw.squeeze(-1).float()
-    return torch.cat([values.new_zeros(values.shape[0], 1), values[:, :-1]], dim=1)
 
 
 def _pp_group_and_last():

@@ -4,6 +4,9 @@ The per-token loss convention: the loss callback returns a loss already divided 
 global token count, so the schedule must *sum* micro-batch losses and DP ranks must *sum* grads.
 That is Megatron's ``calculate_per_token_loss=True`` mode (no 1/num_microbatches, no 1/dp scaling),
 with our finalize function passing no token count (so grads are not divided again).
+
+Context parallel: the model sees only this rank's positions (context_parallel.py); the loss
+callback gets that local output and gathers per-position results back to sequence order.
 """
 from __future__ import annotations
 
@@ -14,12 +17,24 @@ import torch
 
 from sao_megatron.records import TrainBatch
 
+from .context_parallel import ContextParallel
+
 
 def batch_to(batch: TrainBatch, device: torch.device) -> TrainBatch:
     """The batch with every tensor on `device` (the model's; CPU batches stay as they are)."""
     changes = {f.name: getattr(batch, f.name).to(device) for f in fields(batch)
                if isinstance(getattr(batch, f.name), torch.Tensor) and getattr(batch, f.name).device != device}
     return replace(batch, **changes) if changes else batch
+
+
+def context_local(batch: TrainBatch, cp: ContextParallel) -> TrainBatch:
+    """The batch as this CP rank's model sees it: every per-position field (tokens, masks, routes...)
+    restricted to the rank's positions; rows and scalars unchanged. The identity without CP."""
+    if cp.size == 1:
+        return batch
+    changes = {f.name: cp.split(getattr(batch, f.name)) for f in fields(batch)
+               if isinstance(getattr(batch, f.name), torch.Tensor) and getattr(batch, f.name).dim() >= 2}
+    return replace(batch, **changes)
 
 
 def configure_per_token_loss(config) -> None:
@@ -37,33 +52,38 @@ def configure_per_token_loss(config) -> None:
 def run_schedule(chunks: list[torch.nn.Module], batches: list[TrainBatch], seq_multiple: int,
                  on_output: Callable[[int, TrainBatch, torch.Tensor], tuple[torch.Tensor, dict]],
                  before_forward: Optional[Callable[[int, TrainBatch], None]] = None,
-                 forward_only: bool = False) -> list[dict]:
+                 forward_only: bool = False, cp: Optional[ContextParallel] = None) -> list[dict]:
     """Run every micro-batch through the model; return `on_output`'s metric dicts (last stage only).
 
-    on_output(index, batch, output [rows, seq, ...]) -> (scalar loss, metrics) runs on the last
-    stage; `before_forward(chunk_index, batch)` runs before each chunk's forward (routing replay).
-    Outputs are trimmed back to each batch's own sequence length.
+    Each batch is padded to a multiple of `seq_multiple` (packing.seq_multiple) and cut to this CP
+    rank's positions. on_output(index, batch, output) -> (scalar loss, metrics) runs on the last
+    stage with the caller's own (unpadded) batch and the model's output [rows, local positions of
+    the padded sequence, ...]: the callback gathers over CP and trims to the batch's length.
+    `before_forward(chunk_index, local_batch)` runs before each chunk's forward (routing replay)
+    with the padded, CP-local batch.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from .packing import pad_seq
 
+    cp = cp or ContextParallel()
     chunk_index = {id(c): i for i, c in enumerate(chunks)}
     device = next(chunks[0].parameters()).device
     batches = [batch_to(b, device) for b in batches]
     padded = [pad_seq(b, seq_multiple) for b in batches]
+    local = [context_local(b, cp) for b in padded]
 
     def forward_step(data_iterator, model):
         index, batch = next(data_iterator)
         if before_forward is not None:
-            before_forward(chunk_index[id(model)], padded[index])
-        tokens = padded[index].tokens
-        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+            before_forward(chunk_index[id(model)], local[index])
+        tokens = local[index].tokens
+        full = padded[index].tokens
+        positions = cp.split(torch.arange(full.shape[1], device=full.device).unsqueeze(0).expand_as(full))
         output = model(tokens, positions, None)
 
         def loss_func(output_tensor):
-            seq = batches[index].tokens.shape[1]
-            loss, metrics = on_output(index, batches[index], output_tensor[:, :seq])
+            loss, metrics = on_output(index, batches[index], output_tensor)
             return loss, torch.tensor(1, dtype=torch.int), metrics
 
         return output, loss_func

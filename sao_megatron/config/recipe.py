@@ -84,6 +84,10 @@ class Recipe:
         if (world // par.pp) % (par.ep * etp):
             raise ConfigError("parallel.ep", f"ep*etp = {par.ep * etp} does not divide world_size/pp = "
                               f"{world // par.pp}", "choose ep so that ep*etp divides the ranks of one stage")
+        if par.cp > 1 and self.model.transformer_impl == "local":
+            raise ConfigError("parallel.cp", f"{par.cp} needs Transformer Engine attention (Megatron-Core's local "
+                              "attention asserts cp == 1)", "set model.transformer_impl = 'auto' or "
+                              "'transformer_engine' on a CUDA node with TE, or parallel.cp = 1")
         if self.model.fp8 != "none" and self.model.transformer_impl == "local":
             raise ConfigError("model.fp8", "FP8 needs Transformer Engine layers",
                               "set model.transformer_impl = 'auto' or 'transformer_engine', or model.fp8 = 'none'")
