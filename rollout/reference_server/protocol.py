@@ -20,7 +20,8 @@ from .sampling import SamplingParams
 
 GENERATE_FIELDS = {"rid", "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
                    "top_logprobs_num", "return_text_in_logprobs", "return_routed_experts",
-                   "routed_experts_start_len", "stream", "log_metrics"}
+                   "routed_experts_start_len", "stream", "log_metrics",
+                   "extra_key"}   # SGLang's prefix-cache namespace; accepted, unused: no prefix cache here
 SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
                    "ignore_eos", "skip_special_tokens", "no_stop_trim", "sampling_seed", "n",
                    "spaces_between_special_tokens"}
