@@ -46,9 +46,11 @@ def make_recipe(model_dir: str | Path, layout: dict, lr: float = 1e-3, micro_bat
     return recipe
 
 
-def fixed_batches(vocab: int, num: int = 4, rows: int = 2, seq: int = 16, seed: int = 0,
-                  num_moe_layers: int = 0, top_k: int = 0, num_experts: int = 8) -> list[TrainBatch]:
-    """Deterministic micro-batches with ragged lengths, masks, advantages and (optionally) routes."""
+def fixed_batches(vocab: int, num: int = 4, rows: int = 2, seq: int = 16, seed: int = 0, num_layers: int = 0,
+                  top_k: int = 0, num_experts: int = 8, dense_layers: int = 0) -> list[TrainBatch]:
+    """Deterministic micro-batches with ragged lengths, masks, advantages and (with num_layers) random
+    routes laid out as SGLang returns them: one column per hidden layer, the first `dense_layers`
+    columns zero."""
     gen = torch.Generator().manual_seed(seed)
     batches = []
     for _ in range(num):
@@ -61,9 +63,10 @@ def fixed_batches(vocab: int, num: int = 4, rows: int = 2, seq: int = 16, seed: 
         adv = torch.randn(rows, seq, generator=gen) * mask
         zeros = torch.zeros(rows, seq)
         routes = None
-        if num_moe_layers:
-            routes = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(rows * seq * num_moe_layers)])
-            routes = routes.reshape(rows, seq, num_moe_layers, top_k).int()
+        if num_layers:
+            routes = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(rows * seq * num_layers)])
+            routes = routes.reshape(rows, seq, num_layers, top_k).int()
+            routes[:, :, :dense_layers] = 0
         batches.append(TrainBatch(tokens=tokens, lengths=lengths, loss_mask=mask, rollout_logprobs=zeros,
                                   advantages=adv, returns=zeros.clone(), weight_versions=torch.zeros(rows, seq, dtype=torch.long),
                                   routed_experts=routes))
@@ -139,8 +142,8 @@ def run_layouts(model_dir: str | Path, names: list[str], steps: int = 2, num_bat
     hf = read_hf_config(model_dir)
     shape = arch_shape(hf)
     batches = fixed_batches(shape.vocab_size, num=num_batches, seq=seq,
-                            num_moe_layers=shape.num_moe_layers if routes else 0, top_k=shape.top_k,
-                            num_experts=shape.num_experts)
+                            num_layers=shape.num_layers if routes else 0, top_k=shape.top_k,
+                            num_experts=shape.num_experts, dense_layers=shape.first_dense_layers)
     return {name: run_layout(model_dir, table[name], hf_tensors, batches, steps) for name in names}
 
 

@@ -46,7 +46,7 @@ class RLModel:
         self.seq_multiple = seq_multiple(dims.tp, dims.sequence_parallel, dims.cp, recipe.model.fp8)
         self.cp = ContextParallel.from_megatron()
         self.temperature = recipe.rollout.temperature   # pi is the engine's sampling distribution
-        self.replayer = RouteReplayer([c.module for c in chunks], model_build.moe_layer_pattern(config),
+        self.replayer = RouteReplayer([c.module for c in chunks], config.num_layers,
                                       self.shape.top_k, dims.sequence_parallel)
         self.parking = ModelParking(self)
 

@@ -3,7 +3,10 @@
 SGLang (``--enable-return-routed-experts``, ``return_routed_experts: true``) returns in
 ``meta_info.routed_experts`` the bytes of an int32 tensor of shape
 ``(len(prompt) + len(output) - 1, num_layers, top_k)``: the experts each fed token position was
-routed to (the last sampled token is never fed, hence the -1). The shape itself is not sent, so the
+routed to (the last sampled token is never fed, hence the -1). ``num_layers`` is the model's
+``num_hidden_layers``, every layer, dense ones included: column l is global layer l (0-based), and a
+dense layer's column stays zero (SGLang 0.5.23 state_capturer/routed_experts.py sizes the buffer by
+num_hidden_layers; each MoE TopK writes at its own layer_id). The shape itself is not sent, so the
 decoder needs ``top_k`` (and checks it against the token count it expects).
 """
 from __future__ import annotations
@@ -25,7 +28,8 @@ def encode_routed_experts(routes: torch.Tensor) -> str:
 def decode_routed_experts(data: str, num_tokens: int, top_k: int, num_layers: int | None = None) -> torch.Tensor:
     """base64 int32 -> tensor int32 [num_tokens, layers, top_k]; ValueError naming the mismatch.
 
-    ``layers`` is inferred as ``n_ints / (num_tokens * top_k)``; pass ``num_layers`` to check it too.
+    ``layers`` is inferred as ``n_ints / (num_tokens * top_k)``; pass ``num_layers`` (the model's
+    num_hidden_layers, not its MoE-layer count) to check it too.
     """
     if not isinstance(data, str):
         raise ValueError(f"routed_experts must be a base64 string, got {type(data).__name__}")

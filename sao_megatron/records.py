@@ -6,7 +6,9 @@ Conventions, used everywhere:
 - ``loss_mask`` is 1 for tokens the policy generated (actions) and 0 for observation tokens an
   environment inserted (tool output): they stay in the context but get no loss, value or reward.
 - ``routed_experts`` is what SGLang returns: int32 ``[len(prompt_ids) + len(response_ids) - 1,
-  num_moe_layers, top_k]``, the experts each token position was routed to.
+  num_hidden_layers, top_k]``, the experts each token position was routed to. The layer axis holds
+  EVERY hidden layer, column = global 0-based layer id; dense layers (GLM's first_k_dense_replace)
+  have all-zero columns, which replay never reads.
 - In a TrainBatch, position t of a row holds token t, and per-token values at t (logprob, mask,
   advantage) refer to predicting token t from tokens < t. Position 0 never has a loss.
 """
@@ -67,6 +69,9 @@ class Sample:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"sample {self.uid}: {name} has {len(getattr(self, name))} entries, "
                                  f"response_ids has {n}")
+        if self.routed_experts is not None and self.routed_experts.dim() != 3:
+            raise ValueError(f"sample {self.uid}: routed_experts has shape {tuple(self.routed_experts.shape)}, "
+                             f"expected [tokens - 1, num_hidden_layers, top_k]")
         if self.routed_experts is not None and self.routed_experts.shape[0] != max(self.num_tokens - 1, 0):
             raise ValueError(f"sample {self.uid}: routed_experts has {self.routed_experts.shape[0]} rows, "
                              f"expected {self.num_tokens - 1}")
@@ -109,7 +114,7 @@ class TrainBatch:
     old_logprobs: Optional[torch.Tensor] = None   # trainer's logprobs before this step's update
     ref_logprobs: Optional[torch.Tensor] = None   # reference policy (KL penalty)
     old_values: Optional[torch.Tensor] = None     # critic values before this step (value clipping)
-    routed_experts: Optional[torch.Tensor] = None  # int32 [rows, seq, layers, topk], -1 = none
+    routed_experts: Optional[torch.Tensor] = None  # int32 [rows, seq, num_hidden_layers, topk], -1 = none
     global_num_tokens: float = 0.0             # action tokens of the whole step (all micro-batches, DP ranks)
     global_num_seqs: float = 0.0               # sequences with >= 1 action token in the whole step
 

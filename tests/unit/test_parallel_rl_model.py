@@ -70,7 +70,7 @@ def _observe(model_dir: str) -> dict:
     recorded = _recorded_routes(model, batches[0])
     replayed = model.compute_logprobs([replace(batches[0], routed_experts=recorded)])[0][0]
     obs["replay_recorded_exact"] = torch.equal(replayed, ours[0][0])
-    forced = lc.fixed_batches(105, num=1, seq=12, seed=3, num_moe_layers=4, top_k=2)[0]
+    forced = lc.fixed_batches(105, num=1, seq=12, seed=3, num_layers=4, top_k=2)[0]
     forced = replace(forced, tokens=batches[0].tokens)
     maps, hooks = _routing_maps(model)
     model.compute_logprobs([forced])
