@@ -8,13 +8,19 @@ longest chunk. Row b's token j sits at position ``len_b + j`` and attends to key
 padded queries attend to key 0 only so no softmax row is empty (their outputs are discarded and
 their keys are never written).
 
-Routing capture: a forward hook on every router module (transformers 5 Qwen3-MoE:
-``Qwen3MoeTopKRouter`` returns ``(router_logits, router_scores, router_indices)``) records the top-k
-expert indices of every fed token, per MoE layer in model order.
+Routing capture: a forward hook on every router module (transformers 5: Qwen3-MoE's
+``Qwen3MoeTopKRouter`` and GLM-4.5's ``Glm4MoeTopkRouter`` both return ``(logits, weights, indices)``)
+records the top-k expert indices of every fed token. Routes have SGLang's layer axis: one column per
+hidden layer, indexed by the router's global layer id (its ``layers.<L>.`` module path), and dense
+layers (GLM's first ``first_k_dense_replace``, Qwen3's ``mlp_only_layers``) left zero. SGLang sizes
+its capture buffer by ``num_hidden_layers`` (state_capturer/routed_experts.py:72-73), writes column
+``layer_id`` (state_capturer/base.py:47-49) where TopK's layer_id is the owning layer's global index
+(layers/moe/topk.py:680), and starts from zeros (base.py:38-41, 68-75).
 """
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +29,7 @@ import torch
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 class SlotCache:
@@ -72,7 +79,7 @@ class SlotCache:
 @dataclass
 class StepOutput:
     last_logits: torch.Tensor          # fp32 [rows, vocab]: logits at each row's last fed token
-    routes: list[torch.Tensor] | None  # per row: int32 [fed tokens, moe_layers, topk]
+    routes: list[torch.Tensor] | None  # per row: int32 [fed tokens, num_hidden_layers, topk]
 
 
 class ModelRunner:
@@ -98,7 +105,9 @@ class ModelRunner:
         self.dtype = DTYPES[dtype]
         self.max_batch = max_batch
         self.max_context = max_context or int(getattr(cfg, "max_position_embeddings", 4096))
+        self.num_layers = int(cfg.num_hidden_layers)
         self.routers = self._find_routers()
+        self.router_layers = [self._layer_of(name) for name, _ in self.routers]
         self.top_k = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
         self._captured: list[torch.Tensor | None] = [None] * len(self.routers)
         for i, (_, module) in enumerate(self.routers):
@@ -116,6 +125,14 @@ class ModelRunner:
         found = [(n, m) for n, m in self.model.named_modules()
                  if type(m).__name__.endswith("Router") and hasattr(m, "top_k")]
         return found
+
+    def _layer_of(self, name: str) -> int:
+        """The global hidden-layer index of a router, from its module path (model.layers.<L>.mlp.gate)."""
+        match = _LAYER.search(name)
+        if match is None or not 0 <= int(match[1]) < self.num_layers:
+            raise RuntimeError(f"router {name!r} is not under model.layers.<L> with L < num_hidden_layers "
+                               f"{self.num_layers}: cannot place its routes on the layer axis")
+        return int(match[1])
 
     def _make_hook(self, index: int):
         def hook(module, inputs, output):
@@ -156,14 +173,20 @@ class ModelRunner:
         routes = self._split_routes(rows, q, chunks) if want_routes and self.routers else None
         return StepOutput(last_logits=last_logits, routes=routes)
 
+    def _layer_axis(self, tokens: int) -> torch.Tensor:
+        """Captured indices -> CPU int32 [tokens, num_hidden_layers, topk], dense layers' columns zero."""
+        routes = torch.zeros(tokens, self.num_layers, self.top_k, dtype=torch.int32)
+        for layer, captured in zip(self.router_layers, self._captured):
+            routes[:, layer] = captured.reshape(tokens, -1).to(torch.int32).cpu()
+        return routes
+
     def _split_routes(self, rows: int, q: int, chunks: list[list[int]]) -> list[torch.Tensor]:
-        stacked = torch.stack([c.reshape(rows, q, -1) for c in self._captured], dim=2).to(torch.int32).cpu()
+        stacked = self._layer_axis(rows * q).reshape(rows, q, self.num_layers, self.top_k)
         return [stacked[b, : len(chunks[b])].clone() for b in range(rows)]
 
     def teacher_forced(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Plain HF forward of one sequence: (fp32 logits [T, vocab], routes int32 [T, layers, topk]), on the CPU."""
+        """Plain HF forward of one sequence, on the CPU: (fp32 logits [T, vocab], routes int32
+        [T, num_hidden_layers, topk] with dense layers zero, or None without routers)."""
         out = self.model(input_ids=torch.tensor([tokens], device=self.device), use_cache=False)
-        routes = None
-        if self.routers:
-            routes = torch.stack([c.reshape(len(tokens), -1) for c in self._captured], dim=1).to(torch.int32).cpu()
+        routes = self._layer_axis(len(tokens)) if self.routers else None
         return out.logits[0].float().cpu(), routes

@@ -7,10 +7,17 @@ finishes rows that hit a stop token, their budget or the context limit. Each sam
 stamped with the weight version the forward ran with, so a request that spans an update reports
 mixed versions.
 
-Pause modes (SGLang's /pause_generation): ``abort`` aborts every request and pauses; ``retract``
-pauses and drops running requests' KV (they go back to the queue and re-prefill prompt + tokens so
-far on /continue_generation, re-recording their routes with the weights of that moment);
-``in_place`` pauses and keeps the KV. New requests queue while paused.
+Pause (SGLang's scheduler-side ``_engine_paused``, managers/scheduler.py:5817 pause_generation):
+``retract`` pauses and drops running requests' KV (they go back to the queue and re-prefill prompt +
+tokens so far on /continue_generation, re-recording their routes with the weights of that moment);
+``in_place`` pauses and keeps the KV and the running batch. Mode ``abort`` never reaches the
+scheduler in SGLang (the tokenizer side aborts everything), and new requests wait in front of the
+scheduler while paused (app.py / gate.py), as in SGLang's tokenizer manager.
+
+Health checks (rid prefix ``HEALTH_CHECK``, SGLang constants.py:12): when anything else is running
+or queued, the check is dropped instead of run, because the next step's output already proves the
+scheduler alive (SGLang scheduler.py:2241 "Skip health check when server is busy").
+``last_output`` is the time of the last step: SGLang's /health waits for any output after it asked.
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ import collections
 import concurrent.futures
 import logging
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -29,6 +37,8 @@ from .sampling import SamplingParams, make_generator, sample_batch, scaled_logpr
 
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("abort", "retract", "in_place")
+SCHEDULER_PAUSE_MODES = ("retract", "in_place")   # SGLang scheduler.py:5818 asserts these two
+HEALTH_RID_PREFIX = "HEALTH_CHECK"                # SGLang constants.py:12 HEALTH_CHECK_RID_PREFIX
 
 
 @dataclass
@@ -48,6 +58,7 @@ class Request:
     retractions: int = 0
     finish: Optional[dict] = None
     generator: Optional[torch.Generator] = None   # set by Scheduler.submit
+    internal: bool = False    # warmup / health: consumes no request seed, so seeded runs replay exactly
 
     @property
     def tokens(self) -> list[int]:
@@ -64,7 +75,8 @@ class Scheduler:
         self.version = weight_version
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []      # index == KV slot
-        self.paused = False
+        self.paused = False                   # SGLang's _engine_paused (in_place / retract only)
+        self.last_output = 0.0                # time.monotonic() of the last finished step
         self.error: Optional[str] = None      # set if a step raised; the server reports unhealthy
         self._commands: collections.deque = collections.deque()
         self._cond = threading.Condition()
@@ -86,9 +98,9 @@ class Scheduler:
             if self.error:
                 raise RuntimeError(f"scheduler failed earlier: {self.error}")
             seed = request.params.sampling_seed
-            if seed is None and self.seed is not None:   # reproducible runs: derive one per request
+            if seed is None and self.seed is not None and not request.internal:   # reproducible runs
                 seed = self.seed * 1_000_003 + self._submitted
-            self._submitted += 1
+            self._submitted += 0 if request.internal else 1
             request.generator = make_generator(seed)
             self.waiting.append(request)
             self._cond.notify()
@@ -122,11 +134,9 @@ class Scheduler:
         return len(hit)
 
     def pause(self, mode: str) -> None:
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode {mode!r} unknown; use one of {', '.join(PAUSE_MODES)}")
-        if mode == "abort":
-            self.abort(None, "aborted by pause_generation(mode=abort)")
-        elif mode == "retract":
+        if mode not in SCHEDULER_PAUSE_MODES:
+            raise ValueError(f"scheduler pause mode {mode!r} unknown; use one of {', '.join(SCHEDULER_PAUSE_MODES)}")
+        if mode == "retract":
             with self._cond:
                 for slot in reversed(range(len(self.running))):
                     req = self.running[slot]
@@ -137,6 +147,17 @@ class Scheduler:
 
     def resume(self) -> None:
         self.paused = False
+
+    def is_fully_idle(self, ignore_waiting: bool = False) -> bool:
+        """Nothing running (and, unless ignored, nothing queued): SGLang scheduler.py:5337."""
+        with self._cond:
+            return not self.running and (ignore_waiting or not self.waiting)
+
+    def flush_cache(self) -> bool:
+        """SGLang scheduler.py:5518: refused (False) unless fully idle; while paused the queue is ignored,
+        so a retract pause flushes and an in-place pause (requests kept in the running batch) does not.
+        The reference server holds no prefix cache, so a granted flush has nothing else to drop."""
+        return self.is_fully_idle(ignore_waiting=self.paused)
 
     # ---- the loop ----
     def _loop(self) -> None:
@@ -159,6 +180,7 @@ class Scheduler:
                 commands, self._commands = list(self._commands), collections.deque()
             for fn, future in commands:
                 self._run_command(fn, future)
+            self._skip_busy_health_checks()
             if not self.paused:
                 self._admit()
                 if self.running:
@@ -184,13 +206,23 @@ class Scheduler:
             req.deliver(req)
         self.running, self.waiting = [], collections.deque()
 
+    def _skip_busy_health_checks(self) -> None:
+        """Drop each queued health check that arrived behind other work (in arrival order)."""
+        with self._cond:
+            kept: collections.deque[Request] = collections.deque()
+            for req in self.waiting:
+                busy = bool(self.running or kept)
+                if not (busy and req.rid.startswith(HEALTH_RID_PREFIX)):
+                    kept.append(req)
+            self.waiting = kept
+
     def _admit(self) -> None:
         with self._cond:
             while self.waiting and len(self.running) < self.runner.max_batch:
                 req = self.waiting.popleft()
                 if req.return_routes and req.routes is None:
                     rows = min(len(req.input_ids) + req.params.max_new_tokens, self.runner.max_context) - 1
-                    req.routes = torch.zeros(rows, self.runner.num_moe_layers, self.runner.top_k, dtype=torch.int32)
+                    req.routes = torch.zeros(rows, self.runner.num_layers, self.runner.top_k, dtype=torch.int32)
                 self.running.append(req)
 
     def _step(self) -> None:
@@ -211,6 +243,7 @@ class Scheduler:
             req.finish = self._finish_reason(req, token)
         finished = [req for req in self.running if req.finish is not None]
         self._remove_finished()
+        self.last_output = time.monotonic()
         for req in finished:
             req.deliver(req)
 

@@ -25,6 +25,7 @@ class ServeOptions:
     max_context: int = 0             # 0 = the model's max_position_embeddings
     dtype: str = "fp32"
     device: str = "cpu"              # where the model runs: cpu, cuda or cuda:N (the GPU check kit)
+    tp: int = 1                      # TP ranks that join the weight-update group (tp_ranks.py)
     weight_version: int = 0
     weight_sync_timeout_s: float = 600.0
     seed: int | None = None          # base sampling seed for requests without sampling_seed
@@ -45,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu",
                         help="where the model runs: cpu (default), cuda or cuda:N; on CUDA an nccl weight-update "
                              "group stays nccl")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel ranks to present on the weight-update group, as an SGLang engine "
+                             "with --tp-size N: joins as rank_offset+0..N-1 and every rank receives every "
+                             "broadcast (the model itself stays whole; CPU only)")
     parser.add_argument("--weight-version", type=int, default=0, help="version of the weights loaded at start")
     parser.add_argument("--weight-sync-timeout-s", type=float, default=600.0,
                         help="timeout of weight-group formation and of each broadcast receive")
@@ -58,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
     return ServeOptions(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
                         max_batch=args.max_batch, max_context=args.max_context, dtype=args.dtype,
-                        device=args.device,
+                        device=args.device, tp=args.tp,
                         weight_version=args.weight_version, weight_sync_timeout_s=args.weight_sync_timeout_s,
                         seed=args.seed, threads=args.threads, port_file=args.port_file,
                         parent_pid=args.parent_pid)
@@ -73,6 +78,15 @@ def check_options(opts: ServeOptions) -> None:
     if not 0 <= opts.port < 65536:
         raise ValueError(f"--port {opts.port} out of range; use 0 or 1024-65535")
     _check_device(opts.device)
+    if opts.tp < 1:
+        raise ValueError(f"--tp {opts.tp} < 1; use 1 or more")
+    if opts.tp > 1 and opts.device != "cpu":
+        raise ValueError(f"--tp {opts.tp} with --device {opts.device}: the extra TP ranks receive on the CPU; "
+                         "use --device cpu or --tp 1")
+    from .health import generation_enabled
+    from .state import health_check_timeout_s
+
+    health_check_timeout_s(), generation_enabled()   # a bad SGLANG_* value fails here, not per probe
 
 
 def _check_device(device: str) -> None:
@@ -94,9 +108,9 @@ def _check_device(device: str) -> None:
 def build_state(opts: ServeOptions):
     import torch
 
-    from .app import ServerState
     from .model_runner import ModelRunner
     from .scheduler import Scheduler
+    from .state import ServerState
 
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -106,7 +120,7 @@ def build_state(opts: ServeOptions):
     eos = runner.config.eos_token_id
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     scheduler = Scheduler(runner, eos_ids, weight_version=opts.weight_version, seed=opts.seed)
-    return ServerState(scheduler, tokenizer, opts.api_key, opts.weight_sync_timeout_s)
+    return ServerState(scheduler, tokenizer, opts.api_key, opts.weight_sync_timeout_s, tp=opts.tp)
 
 
 def _load_tokenizer(model_dir: str):
@@ -125,6 +139,7 @@ async def _serve(opts: ServeOptions) -> None:
     from .app import build_app
 
     state = build_state(opts)
+    state.tp_ranks.start()            # TP rank children import torch while the server starts
     state.scheduler.start()
     runner = web.AppRunner(build_app(state), access_log=None)
     await runner.setup()
@@ -141,11 +156,28 @@ async def _serve(opts: ServeOptions) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     watchdog = asyncio.create_task(_watch(state, stop, opts.parent_pid))
+    warm = asyncio.create_task(_warmup(state, stop))
     await stop.wait()
+    state.exiting = True              # /health answers 503 from here on, as SGLang's while shutting down
     watchdog.cancel()
+    warm.cancel()
     await runner.cleanup()
     state.scheduler.stop()
     state.transfer.shutdown(wait=False, cancel_futures=True)
+    state.tp_ranks.stop()
+
+
+async def _warmup(state, stop: asyncio.Event) -> None:
+    """Status Starting (/health 503) until one generate went through; a failed warmup stops the server."""
+    from .health import warmup
+
+    try:
+        await warmup(state)
+    except Exception as err:   # SGLang kills the server when its warmup fails (http_server.py:2530-2534)
+        log.error("warmup failed, stopping: %s", err)
+        stop.set()
+        return
+    log.info("warmup done: the server is Up")
 
 
 async def _watch(state, stop: asyncio.Event, parent_pid: int) -> None:
