@@ -22,9 +22,9 @@ import torch
 from sao_megatron.records import LossOutputs, TrainBatch
 
 from . import model_build, specs
+from .context_parallel import ContextParallel
 from .dims import ParallelDims
 from .distributed import comm_device
-from .context_parallel import ContextParallel
 from .hf_mapping import HFMapping
 from .logprobs import shift_to_tokens, token_logprobs_from_logits
 from .offload import ModelParking

@@ -1,7 +1,7 @@
 """Transformer Engine path of the trainer (CUDA + TE; auto-skipped elsewhere by tests/conftest.py).
 
 Not run in this project's CPU CI: written against Megatron-Core 0.16.1 + TE, to run with
-`pytest -m gpu tests/gpu/test_te_parallel.py` on one GPU.
+`pytest -m gpu tests/gpu/test_te_parallel.py` on one GPU (the context-parallel case needs two).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from parallel.distributed import run_distributed_test
 pytest.importorskip("transformer_engine")
 
 
-def _te_vs_local(model_dir: str, fp8: str) -> dict:
+def _te_vs_local(model_dir: str, fp8: str, rows: int = 2, seq: int = 32) -> dict:
     from dataclasses import replace
 
     from safetensors.torch import load_file
@@ -23,7 +23,7 @@ def _te_vs_local(model_dir: str, fp8: str) -> dict:
     from parallel.rl_model import RLModel
 
     hf = load_file(f"{model_dir}/model.safetensors")
-    batches = lc.fixed_batches(105, num=2, seq=32)
+    batches = lc.fixed_batches(105, num=2, rows=rows, seq=seq)
     out = {}
     for impl in ("local", "transformer_engine"):
         teardown_model_parallel()
@@ -59,3 +59,35 @@ def test_fp8_recipes_build_and_step(tiny_model_dir, recipe):
     assert step["skipped"] == 0.0 and step["grad_norm"] > 0
     delta = max(float((a - b).abs().max()) for a, b in zip(out["local"]["logp"], out["transformer_engine"]["logp"]))
     assert delta < 0.5  # FP8 GEMMs: logprobs stay close to fp32, not equal
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_fp8_step_with_an_odd_token_count(tiny_model_dir, recipe):
+    """3 rows x 21 positions: TE's FP8 GEMMs need whole blocks of tokens, so the trainer pads the
+    micro-batch to 32 positions (packing.seq_multiple); results come back at the batch's 21."""
+    out = run_distributed_test(_te_vs_local, world_size=1, backend="nccl", timeout_s=600,
+                               args=(str(tiny_model_dir), recipe, 3, 21))[0]
+    step = out["transformer_engine"]["step"]
+    assert step["skipped"] == 0.0 and step["grad_norm"] > 0
+    assert all(tuple(lp.shape) == (3, 21) for lp in out["transformer_engine"]["logp"])
+    delta = max(float((a - b).abs().max()) for a, b in zip(out["local"]["logp"], out["transformer_engine"]["logp"]))
+    assert delta < 0.5
+
+
+def _cp_vs_dp(model_dir: str) -> dict:
+    from parallel import layout_check as lc
+
+    layouts = {"dp2": {}, "cp2": {"cp": 2}}
+    return lc.run_layouts(model_dir, ["dp2", "cp2"], layouts=layouts, seq=21, routes=True)   # 21: padded to 24
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="cp = 2 needs two GPUs")
+def test_context_parallel_equals_one_rank_per_sequence(tiny_model_dir):
+    """cp = 2 (each rank holds chunks r and 3-r of every sequence, TE attention exchanges K/V) gives
+    the logprobs, loss and grad norm of cp = 1 on the same two GPUs (dp = 2), routes replayed."""
+    from parallel import layout_check as lc
+
+    out = run_distributed_test(_cp_vs_dp, world_size=2, backend="nccl", timeout_s=600, args=(str(tiny_model_dir),))[0]
+    delta = lc.compare(out["cp2"], out["dp2"])
+    assert delta["logp"] < 1e-4 and delta["loss"] < 1e-5 and delta["grad_norm"] < 1e-4
+    assert delta.get("route_agreement", 0.0) == 0.0
