@@ -1,14 +1,17 @@
 """Routing replay: force the trainer's routers to the experts the engine used, and measure agreement.
 
-Engine routes come per sample as int32 ``[tokens - 1, num_moe_layers, topk]`` (records.py); in a
-TrainBatch they are ``routed_experts [rows, seq, num_moe_layers, topk]`` with -1 where a position has
-no route (the last token and padding). Megatron's router (``moe_enable_routing_replay``) takes, per
-local MoE layer, int64 ``[local_tokens, topk]`` in its own token order, which is:
+Engine routes come per sample as int32 ``[tokens - 1, num_hidden_layers, topk]`` (records.py); in a
+TrainBatch they are ``routed_experts [rows, seq, num_hidden_layers, topk]`` with -1 where a position
+has no route (the last token and padding). The layer axis is SGLang's: every hidden layer, column =
+global 0-based layer id, dense layers' columns left zero (state_capturer/routed_experts.py sizes it
+by num_hidden_layers; each TopK writes its own layer_id). Dense columns are never read. Megatron's
+router (``moe_enable_routing_replay``) takes, per local MoE layer, int64 ``[local_tokens, topk]`` in
+its own token order, which is:
 
 - ``[seq, rows]`` flattened (sequence-major: token index = s * rows + b);
 - under sequence parallel, TP rank r holds positions ``[r*seq/tp, (r+1)*seq/tp)``;
 - each pipeline (and virtual) stage holds only its own layers; a router knows its global
-  ``layer_number`` (1-based), which maps to the MoE-layer column of the routes.
+  ``layer_number`` (1-based), whose 0-based id is its column of the routes.
 
 Positions without a route get the placeholder experts 0..k-1: they are the final token and padding,
 which come after every real position, so under causal attention they cannot change any logprob.
@@ -28,16 +31,6 @@ def _replay_api():
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
     return RouterReplay, RouterReplayAction
-
-
-def moe_layer_columns(moe_layer_pattern: list[int]) -> dict[int, int]:
-    """Global 0-based layer index -> column in the routes' MoE-layer axis."""
-    cols, col = {}, 0
-    for layer, is_moe in enumerate(moe_layer_pattern):
-        if is_moe:
-            cols[layer] = col
-            col += 1
-    return cols
 
 
 def routers_of(model_chunk: torch.nn.Module) -> list:
@@ -117,28 +110,62 @@ class RouteAgreement:
 
 
 class RouteReplayer:
-    """Sets replay targets on one model's routers per micro-batch and model chunk."""
+    """Sets replay targets on one model's routers per micro-batch and model chunk.
 
-    def __init__(self, model_chunks: Iterable[torch.nn.Module], moe_layer_pattern: list[int], top_k: int,
+    Activation recompute (model.recompute = full) re-runs every layer's forward, router included,
+    during backward, and Megatron never switches the routers to REPLAY_BACKWARD itself. So: each
+    replayed forward appends its targets to every router's backward list (set_target_indices does);
+    when a micro-batch's backward reaches a chunk's output, a hook there switches that chunk's
+    routers to REPLAY_BACKWARD, and the recompute pops the oldest targets. A chunk runs its
+    backwards in the order of its forwards (no pipelining, 1F1B, interleaved 1F1B), so the oldest
+    targets are that micro-batch's own, not those of the last micro-batch forwarded.
+    """
+
+    def __init__(self, model_chunks: Iterable[torch.nn.Module], num_layers: int, top_k: int,
                  sequence_parallel: bool):
         self.chunks = list(model_chunks)
-        self.columns = moe_layer_columns(moe_layer_pattern)
+        self.num_layers = num_layers  # hidden layers: the width of the routes' layer axis
         self.top_k = top_k
         self.sequence_parallel = sequence_parallel
         self.agreement = RouteAgreement()
         self._routers = [routers_of(c) for c in self.chunks]
-        for routers in self._routers:
+        self._replaying = [False] * len(self.chunks)  # did the chunk's latest forward replay routes
+        for index, (chunk, routers) in enumerate(zip(self.chunks, self._routers)):
             for _, router in routers:
                 self.agreement.watch(router)
+            if routers:
+                chunk.register_forward_hook(self._arm_backward(index))
+
+    def _arm_backward(self, chunk_index: int):
+        """Forward hook: the backward of this output first sets the routers up for its recompute."""
+        def hook(module, args, output):
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                replaying = self._replaying[chunk_index]
+                output.register_hook(lambda grad: self._enter_backward(chunk_index, replaying))
+        return hook
+
+    def _enter_backward(self, chunk_index: int, replaying: bool) -> None:
+        _, action = _replay_api()
+        for _, router in self._routers[chunk_index]:
+            if replaying:
+                router.router_replay.set_router_replay_action(action.REPLAY_BACKWARD)
+            else:  # a micro-batch without routes: the recompute chooses as its forward did
+                router.router_replay.clear_router_replay_action()
 
     def set_routes(self, chunk_index: int, routes: Optional[torch.Tensor]) -> None:
-        """Replay `routes` [rows, seq, L, k] in this chunk's routers; None = let the routers choose."""
+        """Replay `routes` [rows, seq, num_layers, k] in this chunk's routers (router of global
+        layer l <- column l); None = let the routers choose."""
         _, action = _replay_api()
         routers = self._routers[chunk_index]
+        self._replaying[chunk_index] = routes is not None
         if routes is None:
             for _, router in routers:
                 router.router_replay.clear_router_replay_action()
             return
+        if routes.dim() != 4 or routes.shape[2] != self.num_layers:
+            raise ValueError(f"routed_experts has shape {tuple(routes.shape)}; expected [rows, seq, {self.num_layers}, "
+                             f"top_k]: one column per hidden layer (SGLang's layout, dense layers zero); fix: take "
+                             f"routes from an engine serving this model")
         from megatron.core import parallel_state
 
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -147,10 +174,7 @@ class RouteReplayer:
         if local.shape[-1] != self.top_k:
             raise ValueError(f"routed_experts has top-k {local.shape[-1]}, the model routes to {self.top_k}")
         for layer, router in routers:
-            col = self.columns[layer]
-            if col >= local.shape[1]:
-                raise ValueError(f"routed_experts covers {local.shape[1]} MoE layers; layer {layer} needs column {col}")
-            target, valid = _fill_missing(local[:, col].long(), self.top_k)
+            target, valid = _fill_missing(local[:, layer].long(), self.top_k)
             router.router_replay.set_target_indices(target)
             router.router_replay.set_router_replay_action(action.REPLAY_FORWARD)
             self.agreement.set_valid(router.router_replay, valid)
