@@ -38,3 +38,15 @@ bench-quick: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs results/*.png
+
+# The GPU check kit (docs/gpu.md): fetch the wheels a bare GPU image lacks into build/gpu_wheels
+# (a package index is needed only while one is missing), then run the GPU tests on this machine's GPU
+# and write gpu-check.json under $OUT (else build/gpu_check). GPU_WHEEL_PY is the GPU machine's Python.
+# Without a GPU: make gpu-check GPU_PY=.venv/bin/python GPU_CHECK_ARGS=--dry-run
+GPU_PY ?= python3
+GPU_WHEEL_PY ?= 3.12
+GPU_CHECK_ARGS ?=
+.PHONY: gpu-check
+gpu-check:
+	$(GPU_PY) -m launch.gpu_check wheels --python-version $(GPU_WHEEL_PY)
+	$(GPU_PY) -m launch.gpu_check run --python-version $(GPU_WHEEL_PY) $(GPU_CHECK_ARGS)
