@@ -77,6 +77,7 @@ class Scheduler:
         self.running: list[Request] = []      # index == KV slot
         self.paused = False                   # SGLang's _engine_paused (in_place / retract only)
         self.last_output = 0.0                # time.monotonic() of the last finished step
+        self.health_checks_skipped = 0
         self.error: Optional[str] = None      # set if a step raised; the server reports unhealthy
         self._commands: collections.deque = collections.deque()
         self._cond = threading.Condition()
@@ -214,6 +215,8 @@ class Scheduler:
                 busy = bool(self.running or kept)
                 if not (busy and req.rid.startswith(HEALTH_RID_PREFIX)):
                     kept.append(req)
+                else:
+                    self.health_checks_skipped += 1
             self.waiting = kept
 
     def _admit(self) -> None:
@@ -272,5 +275,5 @@ class Scheduler:
 
     def stats(self) -> dict:
         return {"running": len(self.running), "waiting": len(self.waiting), "paused": self.paused,
-                "weight_version": self.version,
+                "weight_version": self.version, "health_checks_skipped": self.health_checks_skipped,
                 "running_output_tokens": sum(len(r.output_ids) for r in list(self.running))}

@@ -1,7 +1,8 @@
 """Pause/continue, weight updates and weight reads through the SGLang client (one server per module).
 
 Weight updates travel as SGLang sends them: this test process is rank 0 of a gloo group (formed as
-SGLang's init_custom_process_group does) and broadcasts one tensor per name and a flattened bucket.
+SGLang's init_custom_process_group does) and broadcasts one tensor per name and a flattened bucket,
+inside a weight-update session (/begin_weight_update ... /end_weight_update), as SGLang 0.5.23 requires.
 Expected values are checked against the on-disk safetensors and against an HF model loaded from a
 directory holding the updated checkpoint, never against the server's own name mapping.
 """
@@ -16,6 +17,7 @@ import aiohttp
 import pytest
 import torch
 import torch.distributed as dist
+from reference_http import post, scheduler_state, wait_for
 from safetensors.torch import load_file, save_file
 
 from rollout.engine import EngineError, GenerateRequest
@@ -60,7 +62,7 @@ def updated_dir(tiny_model_dir, on_disk, tmp_path_factory):
 
 def run(coro_fn, server):
     async def main():
-        engine = SGLangEngine(server.url, api_key=KEY, name="ctl")
+        engine = SGLangEngine(server.url, api_key=KEY, name="ctl", moe_topk=2)
         try:
             return await coro_fn(engine)
         finally:
@@ -69,14 +71,13 @@ def run(coro_fn, server):
 
 
 async def _wait(engine, predicate, task=None):
-    """Poll the scheduler stats until `predicate`; fail (not hang) if `task` finished first."""
-    while True:
-        stats = (await engine.model_info())["scheduler"]
-        if predicate(stats):
-            return stats
-        if task is not None and task.done():
-            raise AssertionError(f"request finished before the state was reached: {task.result()}")
-        await asyncio.sleep(0.02)
+    return await wait_for(engine.url, KEY, predicate, task)
+
+
+async def _ok(engine, path: str, body: dict) -> dict:
+    status, reply = await post(engine.url, KEY, path, body)
+    assert status == 200 and reply["success"], (path, status, reply)
+    return reply
 
 
 async def long_generate(engine, req: GenerateRequest):
@@ -116,8 +117,10 @@ def test_pause_in_place_keeps_request_and_stamps_new_version(server, tiny_model_
         await _wait(engine, lambda s: s["running_output_tokens"] >= 3, task)
         await engine.pause("in_place")
         paused = await _wait(engine, lambda s: s["paused"])
-        await engine.update_weights_from_disk(str(tiny_model_dir), weight_version=1)   # same weights, v1
-        still = (await engine.model_info())["scheduler"]
+        # same weights, v1; flush_cache false: SGLang refuses the flush with a request in the batch
+        await _ok(engine, "/update_weights_from_disk", {"model_path": str(tiny_model_dir), "weight_version": "1",
+                                                        "flush_cache": False})
+        still = await scheduler_state(engine.url, KEY)
         await engine.resume()
         return await task, paused, still, await engine.weight_version()
 
@@ -159,13 +162,13 @@ def test_pause_abort_ends_requests(server):
         await engine.pause("abort")
         result = await task
         queued = asyncio.create_task(engine.generate(GenerateRequest(rid="q", input_ids=PROMPT, max_new_tokens=3)))
-        stats = await _wait(engine, lambda s: s["waiting"] == 1)     # paused: new work waits
+        stats = await _wait(engine, lambda s: s["held_by_pause"] == 1)   # paused: new work waits at the gate
         await engine.resume()
         return result, stats, await queued
 
     result, stats, queued = run(scenario, server)
     assert result.finish_reason == "abort" and 2 <= len(result.output_ids) < 300
-    assert stats["paused"] and stats["running"] == 0
+    assert stats["paused"] and stats["running"] == 0 and stats["waiting"] == 0 and not stats["scheduler_paused"]
     assert queued.finish_reason in ("length", "stop")
 
 
@@ -192,12 +195,14 @@ def test_gloo_broadcast_update_is_bit_exact_and_bumps_version(server, on_disk, u
         thread = threading.Thread(target=sender)
         thread.start()
         await engine.init_weights_update_group("127.0.0.1", port, 1, 2, group_name, "gloo")
+        await _ok(engine, "/begin_weight_update", {"selector": "all"})
         meta = lambda names: ([str(new[n].dtype) for n in names], [list(new[n].shape) for n in names])
         await engine.update_weights_from_distributed(flat_names, *meta(flat_names), group_name, 4,
                                                      flattened_bucket=True)
         await engine.update_weights_from_distributed(single_names, *meta(single_names), group_name, 5,
                                                      flattened_bucket=False)
         await asyncio.to_thread(thread.join, 120)
+        await _ok(engine, "/end_weight_update", {})
         weights = await asyncio.gather(*(engine.get_weights_by_name(n) for n in UPDATED))
         untouched = await engine.get_weights_by_name("model.layers.1.mlp.experts.2.gate_proj.weight")
         version = await engine.weight_version()
@@ -219,17 +224,18 @@ def test_update_from_disk_restores_and_errors_are_reported(server, tiny_model_di
     async def scenario(engine):
         await engine.update_weights_from_disk(str(tiny_model_dir), weight_version=9)
         restored = await engine.get_weights_by_name(UPDATED[0])
-        errors = []
-        for call in (lambda: engine.update_weights_from_disk(str(tmp_path / "missing"), 10),
-                     lambda: engine.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[64]],
-                                                                    "no_such_group", 10)):
-            with pytest.raises(EngineError) as info:
-                await call()
-            errors.append(str(info.value))
+        missing = await post(engine.url, KEY, "/update_weights_from_disk",
+                             {"model_path": str(tmp_path / "missing"), "weight_version": "10"})
+        await _ok(engine, "/begin_weight_update", {})
+        no_group = await post(engine.url, KEY, "/update_weights_from_distributed", {
+            "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "group_name": "no_such_group"})
+        await _ok(engine, "/end_weight_update", {})
         await engine.flush_cache()
-        return restored, await engine.weight_version(), errors, await engine.health()
+        return restored, await engine.weight_version(), missing, no_group, await engine.health()
 
-    restored, version, errors, healthy = run(scenario, server)
+    restored, version, missing, no_group, healthy = run(scenario, server)
     assert torch.equal(restored, on_disk[UPDATED[0]]) and version == 9
-    assert "not a directory" in errors[0] and "no weight-update group 'no_such_group'" in errors[1]
-    assert all(e.startswith("engine ctl:") for e in errors) and healthy
+    assert missing[0] == 400 and "not a directory" in missing[1]["message"] and missing[1]["num_paused_requests"] == 0
+    assert no_group == (400, {"success": False, "message": "Failed to receive weights: Group no_such_group not in "
+                                                          "[]. Please call `init_weights_update_group` first."})
+    assert healthy

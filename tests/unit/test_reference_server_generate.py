@@ -13,6 +13,7 @@ import random
 import aiohttp
 import pytest
 import torch
+from reference_http import scheduler_state, wait_for
 
 from rollout.engine import EngineError, GenerateRequest
 from rollout.reference_server import launch_local
@@ -51,7 +52,7 @@ def teacher(tiny_model_dir):
 
 def run(coro_fn, server):
     async def main():
-        engine = SGLangEngine(server.url, api_key=KEY, name="ref0")
+        engine = SGLangEngine(server.url, api_key=KEY, name="ref0", moe_topk=2)
         try:
             return await coro_fn(engine)
         finally:
@@ -105,16 +106,6 @@ def test_32_concurrent_requests_are_not_mixed(server, teacher):
         assert res.output_ids == results[i].output_ids
 
 
-async def _wait_for_tokens(engine: SGLangEngine, at_least: int, task) -> dict:
-    while True:
-        info = await engine.model_info()
-        if info["scheduler"]["running_output_tokens"] >= at_least:
-            return info
-        if task.done():
-            raise AssertionError(f"request finished before {at_least} tokens: {task.result()}")
-        await asyncio.sleep(0.02)
-
-
 async def long_generate(engine, req: GenerateRequest):
     """/generate with ignore_eos (not in the Engine request type) so the request surely runs long."""
     body = generate_body(req)
@@ -130,10 +121,10 @@ def test_abort_mid_generation_returns_abort_and_frees_slot(server):
 
     async def scenario(engine):
         task = asyncio.create_task(long_generate(engine, long))
-        await _wait_for_tokens(engine, 3, task)
+        await wait_for(engine.url, KEY, lambda s: s["running_output_tokens"] >= 3, task)
         await engine.abort("long")
         result = await task
-        info = await engine.model_info()
+        info = await scheduler_state(engine.url, KEY)
         after = await engine.generate(GenerateRequest(rid="after", input_ids=[5, 6], max_new_tokens=4))
         return result, info, after
 
@@ -142,7 +133,7 @@ def test_abort_mid_generation_returns_abort_and_frees_slot(server):
     assert 3 <= len(result.output_ids) < long.max_new_tokens
     assert len(result.output_logprobs) == len(result.output_ids)
     assert result.routed_experts.shape[0] == 3 + len(result.output_ids) - 1
-    assert info["scheduler"]["running"] == 0 and info["scheduler"]["waiting"] == 0
+    assert info["running"] == 0 and info["waiting"] == 0
     assert after.finish_reason in ("length", "stop") and len(after.output_ids) >= 1
 
 
