@@ -1,7 +1,8 @@
 """LoopbackEngine: an Engine whose only ability is the weight protocol, run in a local child process.
 
-It joins the weight-update group and receives flattened buckets exactly as an SGLang rank does
-(docs/engines.md), keeps the tensors it received, and answers get_weights_by_name. It serves no
+It joins weight-update groups (several, by name) and receives flattened buckets exactly as an SGLang
+rank does (docs/engines.md), only inside a begin/end_weight_update session as SGLang 0.5.23 requires,
+keeps the tensors it received, and answers get_weights_by_name. It serves no
 generation. Uses: the weight-sync benchmark (bench/weight_sync.py, which also needs `receive_raw`
 for its baseline) and transport tests. The child is a separate process because gloo's group
 constructor holds the GIL: a sender and a receiver cannot share one process.
@@ -22,7 +23,7 @@ from rollout.engine import Engine, EngineError, GenerateRequest, GenerateResult
 def _child(conn) -> None:
     """Command loop: (op, args) -> ("ok", result) | ("error", message); ends on "exit"."""
     torch.set_num_threads(1)
-    state = {"weights": {}, "version": 0, "group": None}
+    state = {"weights": {}, "version": 0, "group": None, "groups": {}}   # groups by name, as SGLang keeps them
     while True:
         op, args = conn.recv()
         try:
@@ -42,14 +43,14 @@ def _join(state, addr, port, rank, world, group_name, backend):
                                               c10d.PrefixStore(group_name, store), group_name=group_name,
                                               timeout=timeout)
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world)}
-    state["group"] = group
+    state["group"] = state["groups"][group_name] = group
 
 
-def _receive(state, names, dtypes, shapes, version, keep):
+def _receive(state, names, dtypes, shapes, version, keep, group_name):
     dts = [getattr(torch, d) for d in dtypes]
     sizes = [math.prod(s) * torch.empty((), dtype=d).element_size() for d, s in zip(dts, shapes)]
     flat = torch.empty(sum(sizes), dtype=torch.uint8)
-    torch.distributed.broadcast(flat, src=0, group=state["group"])
+    torch.distributed.broadcast(flat, src=0, group=state["groups"][group_name])
     offset = 0
     for name, dt, shape, size in zip(names, dts, shapes, sizes):
         tensor = flat[offset:offset + size].view(dt).reshape(shape)
@@ -65,10 +66,12 @@ def _receive_raw(state, nbytes, chunk):
         torch.distributed.broadcast(flat[start:start + chunk], src=0, group=state["group"])
 
 
-def _destroy(state):
-    if state["group"] is not None:
-        torch.distributed.destroy_process_group(state["group"])
-    state["group"] = None
+def _destroy(state, group_name):
+    group = state["groups"].pop(group_name, None)
+    if group is not None:
+        torch.distributed.destroy_process_group(group)
+    if state["group"] is group:
+        state["group"] = None
 
 
 def _load_disk(state, path, version):
@@ -89,6 +92,7 @@ class LoopbackEngine(Engine):
         self.name, self.reply_timeout_s, self.keep_weights = name, reply_timeout_s, keep_weights
         self.calls: list[str] = []
         self.rank = -1
+        self.session_open = False   # SGLang's weight-update session (begin/end_weight_update)
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_child, args=(child,), daemon=True, name=f"loopback-{name}")
@@ -132,6 +136,9 @@ class LoopbackEngine(Engine):
         return True
 
     async def weight_version(self) -> int:
+        self._note("model_info")
+        if not self._proc.is_alive():
+            raise EngineError(f"engine {self.name}: receiver process exited with code {self._proc.exitcode}")
         return await self._rpc("version")
 
     async def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
@@ -142,22 +149,38 @@ class LoopbackEngine(Engine):
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         self._note("destroy_weights_update_group")
-        await self._rpc("destroy")
+        await self._rpc("destroy", group_name)
+
+    async def begin_weight_update(self) -> None:
+        self._note("begin_weight_update")
+        if self.session_open:
+            raise EngineError(f"engine {self.name}: /begin_weight_update failed: a weight-update session is "
+                              "already open")
+        self.session_open = True
+
+    async def end_weight_update(self) -> None:
+        self._note("end_weight_update")
+        if not self.session_open:
+            raise EngineError(f"engine {self.name}: /end_weight_update failed: no weight-update session is open")
+        self.session_open = False
 
     async def update_weights_from_distributed(self, names, dtypes, shapes, group_name, weight_version,
                                               flattened_bucket=True, flush_cache=True) -> None:
         self._note("update_weights_from_distributed")
+        if not self.session_open:   # refused at once, before joining the broadcast, as SGLang 0.5.23 does
+            raise EngineError(f"engine {self.name}: /update_weights_from_distributed failed: must run between "
+                              "begin_weight_update() and end_weight_update()")
         if not flattened_bucket:
             raise EngineError(f"engine {self.name}: LoopbackEngine receives flattened buckets only")
         await self._rpc("receive", list(names), [str(d).removeprefix("torch.") for d in dtypes],
-                        [list(s) for s in shapes], weight_version, self.keep_weights)
+                        [list(s) for s in shapes], weight_version, self.keep_weights, group_name)
 
     async def receive_raw(self, nbytes: int, chunk: int = 0) -> None:
         """Take part in plain broadcasts of `nbytes` uint8 from rank 0, in slices of `chunk` bytes
         (0 = one broadcast): the benchmark's baseline."""
         await self._rpc("receive_raw", nbytes, chunk or nbytes)
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None:
+    async def update_weights_from_disk(self, model_path: str, weight_version: int, flush_cache: bool = True) -> None:
         self._note("update_weights_from_disk")
         await self._rpc("load_disk", model_path, weight_version)
 

@@ -8,7 +8,11 @@ trainer's own groups are never touched.
 
 Payload of one bucket (load_format "flattened_bucket"): ONE uint8 tensor, the concatenation in
 `names` order of each tensor's bytes (t.contiguous().view(-1).view(uint8)), no padding; its length is
-sum(numel * itemsize). This is SGLang's FlattenedTensorBucket layout.
+sum(numel * itemsize). This is SGLang's FlattenedTensorBucket layout. Its receiver refuses a tensor
+whose byte offset is not a multiple of its element size (FlattenedTensorBucket.empty,
+weight_sync/tensor_bucket.py), and the layout has no room for padding, so a bucket lists its tensors
+by descending element size: element sizes are powers of two, so every offset is then aligned (an
+odd-length bf16 tensor before an fp32 one would not be).
 """
 from __future__ import annotations
 
@@ -31,12 +35,18 @@ class Bucket:
         self.tensors.append(tensor)
         self.nbytes += tensor.numel() * tensor.element_size()
 
+    def aligned(self) -> "Bucket":
+        """The same tensors by descending element size (stable), so each starts at a multiple of its
+        own element size in the payload."""
+        order = sorted(range(len(self.names)), key=lambda i: -self.tensors[i].element_size())
+        return Bucket([self.names[i] for i in order], [self.tensors[i] for i in order], self.nbytes)
+
     def meta(self) -> tuple[list[str], list[str], list[list[int]]]:
         """(names, dtype names as SGLang resolves them with getattr(torch, name), shapes)."""
         return (list(self.names), [str(t.dtype).removeprefix("torch.") for t in self.tensors],
                 [list(t.shape) for t in self.tensors])
 
-    def flatten(self, device: str = "cpu", out: torch.Tensor | None = None) -> torch.Tensor:
+    def flatten(self, device: str | torch.device = "cpu", out: torch.Tensor | None = None) -> torch.Tensor:
         """The payload, written into `out` (a reusable uint8 buffer of >= nbytes) when given. A copy loop
         into one buffer: on CPU torch.cat of many uint8 views measured 4-9x slower (64 MiB: 170-390 ms
         vs 42 ms) and a fresh buffer per bucket pays its page faults every time."""
@@ -51,16 +61,16 @@ class Bucket:
 
 
 def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
-    """Group a stream into buckets of at most `bucket_bytes` (a larger tensor travels alone)."""
+    """Group a stream into aligned buckets of at most `bucket_bytes` (a larger tensor travels alone)."""
     current = Bucket([], [])
     for name, tensor in named_tensors:
         size = tensor.numel() * tensor.element_size()
         if current.names and current.nbytes + size > bucket_bytes:
-            yield current
+            yield current.aligned()
             current = Bucket([], [])
         current.add(name, tensor)
     if current.names:
-        yield current
+        yield current.aligned()
 
 
 def create_sender_group(master_address: str, master_port: int, world_size: int, group_name: str,

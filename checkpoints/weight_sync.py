@@ -1,40 +1,52 @@
 """WeightSync: push the trainer's HF-named weights to every rollout engine under a weight version.
 
 Seam: `WeightSync.push(named_tensors, version)` (async), built by `build_weight_sync(cfg, engines)`.
-- BroadcastWeightSync: one process group spanning the sender (rank 0) and every engine rank
-  (engine i joins as rank 1 + i*ranks_per_engine); pause engines (cfg.pause_mode), flush their
-  caches, send non-expert then expert tensors in flattened buckets of cfg.bucket_mb (each bucket: the
-  engines' /update_weights_from_distributed calls run concurrently with the sender's broadcast), then
-  continue the engines. nccl with CUDA, gloo otherwise.
+- BroadcastWeightSync: one process group spanning the sender (rank 0) and every engine's TP ranks
+  (engine i joins with rank_offset = 1 + the TP sizes of the engines before it; SGLang adds its
+  tp_rank). Flattened buckets of cfg.bucket_mb, non-expert tensors before expert ones; per bucket
+  the engines' /update_weights_from_distributed calls run concurrently with the sender's broadcast.
+  nccl with CUDA, gloo otherwise.
 - DiskWeightSync: write HF safetensors shards, then /update_weights_from_disk on every engine.
+
+The update window (docs/weights.md): pause -> begin_weight_update (broadcast only: SGLang 0.5.23
+refuses distributed updates outside a session) -> transfer -> end_weight_update -> settle each
+prefix cache (rollout.engine.settle_prefix_cache) -> continue. With manage_pause (the default) push
+owns the whole window; the trainer builds its syncs with manage_pause=False and owns the window on
+the driver rank (sao_megatron/trainer/services.py), so with per-stage senders (pp > 1) each engine
+gets ONE pause and ONE session around every stage's push. Nothing here calls /health (it generates
+a token, and waits while the engines are paused): liveness is /model_info (`Engine.reachable`).
 Every step runs under cfg.timeout_s; a failing or silent engine raises EngineError naming it.
 
 Pipeline parallelism (weight_sync.senders): with `per_stage` (the default) each stage's first rank
 exports only its stage's tensors (RLModel.export_hf(scope="stage")) and sends them through its own
 BroadcastWeightSync(stage=s) on its own group `sao_weights_pp<s>_...` with the engines (engines join
 one group per stage; SGLang keeps several named groups); with `driver` every stage gathers to rank 0,
-the one sender. The trainer (sao_megatron/trainer/services.py) pauses and resumes the engines once
-around all stages. See docs/weights.md.
+the one sender.
 """
 from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import shutil
 import socket
-import threading
 import uuid
 from pathlib import Path
-from typing import Awaitable, Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 import torch
 
-from rollout.engine import Engine, EngineError
+from rollout.engine import Engine, EngineError, settle_prefix_cache
 
+from .engine_calls import in_daemon_thread, payload_device, pinned, run_all, step_error
 from .name_map import is_expert_hf_name
 from .weight_buckets import Bucket, create_sender_group, iter_buckets
 
+__all__ = ["WeightSync", "BroadcastWeightSync", "DiskWeightSync", "build_weight_sync", "settle_caches",
+           "non_expert_first", "run_all", "in_daemon_thread", "check_weight_update_equal"]
+
 SENDER = "trainer sender (rank 0)"
+SESSION_CLOSE_AFTER_FAILURE_S = 10.0   # an engine stuck in a broken broadcast must not hold up the error
 
 
 class WeightSync(abc.ABC):
@@ -42,57 +54,13 @@ class WeightSync(abc.ABC):
     async def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Make every engine serve exactly these tensors, labelled `version`."""
 
+    @contextlib.asynccontextmanager
+    async def update_session(self):
+        """The engines' weight-update session around one push (none for this transport)."""
+        yield
+
     async def close(self) -> None:
         """Release the transport (process group, files)."""
-
-
-async def run_all(calls: dict[str, Awaitable], what: str, timeout_s: float) -> list:
-    """Await labelled calls together; the first failure or the timeout raises EngineError naming who."""
-    if not calls:
-        return []
-    tasks = {asyncio.ensure_future(aw): label for label, aw in calls.items()}
-    done, pending = await asyncio.wait(tasks, timeout=timeout_s, return_when=asyncio.FIRST_EXCEPTION)
-    failed = [t for t in done if t.exception() is not None]
-    for t in pending:
-        t.cancel()
-    if failed:
-        label, err = tasks[failed[0]], failed[0].exception()
-        raise _step_error(f"{label}: {what} failed: {type(err).__name__}: {err}", [label]) from err
-    if pending:
-        labels = sorted(tasks[t] for t in pending)
-        raise _step_error(f"{', '.join(labels)}: {what} did not finish within {timeout_s:.0f}s (dead or hung engine?)",
-                          labels)
-    return [t.result() for t in tasks]
-
-
-def _step_error(message: str, parties: list[str]) -> EngineError:
-    err = EngineError(message)
-    err.parties = parties   # who failed or is still waiting (labels of run_all's calls)
-    return err
-
-
-def in_daemon_thread(fn, *args) -> asyncio.Future:
-    """Run a blocking collective off the event loop in a daemon thread. Unlike asyncio.to_thread, a
-    collective stuck on a dead peer (it ends at the group timeout) never delays the loop's or the
-    interpreter's shutdown; its outcome still reaches the awaiting coroutine."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def deliver(setter, value):
-        if not future.done():
-            setter(value)
-
-    def work():
-        try:
-            result = fn(*args)
-            outcome = (future.set_result, result)
-        except BaseException as err:  # noqa: BLE001 - re-raised in the awaiting coroutine
-            outcome = (future.set_exception, err)
-        if not loop.is_closed():
-            loop.call_soon_threadsafe(deliver, *outcome)
-
-    threading.Thread(target=work, daemon=True, name=f"weight-sync-{getattr(fn, '__name__', 'call')}").start()
-    return future
 
 
 def resolve_backend(backend: str) -> str:
@@ -132,21 +100,43 @@ def _cast(named: Iterable[tuple[str, torch.Tensor]], dtype: Optional[torch.dtype
         yield name, (tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype))
 
 
-def non_expert_first(named: Iterable[tuple[str, torch.Tensor]]):
-    """Stream non-expert tensors as they come and routed-expert tensors after them (slime's order).
-    Expert tensors are held until the stream ends: pass a stream already in that order to hold none."""
-    held = []
+def non_expert_first(named: Iterable[tuple[str, torch.Tensor]], max_held_bytes: int):
+    """Non-expert tensors as they come; routed-expert tensors held back and released in runs of at
+    most `max_held_bytes` (a bigger tensor alone), and the rest at the end.
+
+    slime sends every non-expert tensor before the experts because its experts need their own
+    expert-parallel gather. Ours come gathered from export_hf and SGLang loads each bucket by name,
+    so the order is free for the engine; what we keep is that expert tensors travel together in
+    bucket-sized runs. The bound (one bucket in training) is what the sender holds beyond the
+    export: never every expert tensor of the model, which export_hf interleaves layer by layer.
+    """
+    held, held_bytes = [], 0
     for name, tensor in named:
-        if is_expert_hf_name(name):
-            held.append((name, tensor))
-        else:
+        if not is_expert_hf_name(name):
             yield name, tensor
+            continue
+        size = tensor.numel() * tensor.element_size()
+        if held and held_bytes + size > max_held_bytes:
+            yield from held
+            held, held_bytes = [], 0
+        held.append((name, tensor))
+        held_bytes += size
     yield from held
 
 
-async def _require_healthy(engine: Engine) -> None:
-    if await engine.health() is not True:
-        raise EngineError(f"engine {engine.name}: /health reports the engine unhealthy")
+async def _require_reachable(engine: Engine) -> None:
+    if not await engine.reachable():
+        raise EngineError(f"engine {engine.name}: does not answer /model_info (is the server up?)")
+
+
+async def _begin_session(engine: Engine) -> None:
+    """begin_weight_update; when refused, close a session a failed earlier push left open and retry."""
+    try:
+        await engine.begin_weight_update()
+    except EngineError:
+        with contextlib.suppress(EngineError):
+            await engine.end_weight_update()
+        await engine.begin_weight_update()
 
 
 def _broadcast(flat: torch.Tensor, group) -> None:
@@ -155,49 +145,92 @@ def _broadcast(flat: torch.Tensor, group) -> None:
     dist.broadcast(flat, src=0, group=group)
 
 
+async def settle_caches(engines: list[Engine], version: int, flush: bool, timeout_s: float) -> None:
+    """settle_prefix_cache on every engine (after the update, before resuming)."""
+    await run_all({f"engine {e.name}": settle_prefix_cache(e, version, flush) for e in engines},
+                  "prefix cache settle", timeout_s)
+
+
 class _PausingSync(WeightSync):
-    """Shared pause -> flush -> transfer -> continue frame of both implementations."""
+    """The update window shared by both transports; `_transfer` is what differs."""
 
     def __init__(self, cfg, engines: list[Engine], manage_pause: bool = True, dtype: Optional[torch.dtype] = None):
         if not engines:
             raise ValueError("weight_sync: no engines to update; fix: start engines or set rollout.engine_urls")
         self.cfg, self.engines, self.manage_pause, self.dtype = cfg, list(engines), manage_pause, dtype
 
-    def _each(self, fn) -> dict[str, Awaitable]:
+    def _each(self, fn) -> dict[str, asyncio.Future]:
         return {f"engine {e.name}": fn(e) for e in self.engines}
 
     async def push(self, named_tensors, version: int) -> None:
-        t = self.cfg.timeout_s
-        await run_all(self._each(_require_healthy), "health check", t)
-        if self.manage_pause:
-            await run_all(self._each(lambda e: e.pause(self.cfg.pause_mode)), f"pause({self.cfg.pause_mode})", t)
-            await run_all(self._each(lambda e: e.flush_cache()), "flush_cache", t)
-        await self._transfer(_cast(named_tensors, self.dtype), version)
-        if self.manage_pause:
+        await run_all(self._each(_require_reachable), "liveness check (/model_info)", self.cfg.timeout_s)
+        named = _cast(named_tensors, self.dtype)
+        if not self.manage_pause:     # the caller holds the window (pause, session, settle, continue)
+            await self._transfer(named, version)
+            return
+        t, mode = self.cfg.timeout_s, self.cfg.pause_mode
+        await run_all(self._each(lambda e: e.pause(mode)), f"pause({mode})", t)
+        try:
+            async with self.update_session():
+                await self._transfer(named, version)
+            await settle_caches(self.engines, version, flush=mode != "in_place", timeout_s=t)
+        finally:
             await run_all(self._each(lambda e: e.resume()), "continue_generation", t)
 
     @abc.abstractmethod
     async def _transfer(self, named_tensors, version: int) -> None: ...
 
 
+def _engine_ranks(ranks_per_engine: int | Sequence[int], engines: int) -> list[int]:
+    ranks = [ranks_per_engine] * engines if isinstance(ranks_per_engine, int) else list(ranks_per_engine)
+    if len(ranks) != engines or any(not isinstance(r, int) or r < 1 for r in ranks):
+        raise ValueError(f"ranks_per_engine {ranks_per_engine!r} must be one int >= 1 or one per engine "
+                         f"({engines}); fix: pass each engine's TP size (rollout.engine_tp)")
+    return ranks
+
+
 class BroadcastWeightSync(_PausingSync):
-    def __init__(self, cfg, engines: list[Engine], *, ranks_per_engine: int = 1, master_address: Optional[str] = None,
-                 stage: int = 0, manage_pause: bool = True, dtype: Optional[torch.dtype] = None):
+    def __init__(self, cfg, engines: list[Engine], *, ranks_per_engine: int | Sequence[int] = 1,
+                 master_address: Optional[str] = None, stage: int = 0, manage_pause: bool = True,
+                 dtype: Optional[torch.dtype] = None):
         super().__init__(cfg, engines, manage_pause, dtype)
-        self.ranks_per_engine, self.stage = ranks_per_engine, stage
+        self.engine_ranks, self.stage = _engine_ranks(ranks_per_engine, len(self.engines)), stage
         self.master_address = master_address or sender_address(self.engines)
         self.backend = resolve_backend(cfg.backend)
         if self.backend == "nccl" and not torch.cuda.is_available():
             raise ValueError("weight_sync.backend = 'nccl' needs CUDA, and this process sees no GPU; "
                              "fix: set weight_sync.backend to 'gloo' or 'auto'")
-        self.device = "cuda" if self.backend == "nccl" else "cpu"
         self.group, self.group_name = None, ""
         self.bytes_sent = 0
         self._buffers = [None, None]   # two reused flat payload buffers, grown to the largest bucket
 
     @property
     def world_size(self) -> int:
-        return 1 + len(self.engines) * self.ranks_per_engine
+        return 1 + sum(self.engine_ranks)
+
+    def rank_offsets(self) -> list[int]:
+        """Engine i's rank_offset: SGLang joins its TP rank r as rank_offset + r
+        (model_executor/model_runner_components/weight_updater.py), so the engines tile 1..world-1."""
+        offsets, next_rank = [], 1
+        for ranks in self.engine_ranks:
+            offsets.append(next_rank)
+            next_rank += ranks
+        return offsets
+
+    @contextlib.asynccontextmanager
+    async def update_session(self):
+        """One weight-update session per engine around a push; closed when the push fails too (at most
+        SESSION_CLOSE_AFTER_FAILURE_S, then left to the next push's begin, which recovers it)."""
+        t = self.cfg.timeout_s
+        await run_all(self._each(_begin_session), "begin_weight_update", t)
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(EngineError):
+                await run_all(self._each(lambda e: e.end_weight_update()), "end_weight_update",
+                              min(SESSION_CLOSE_AFTER_FAILURE_S, t))
+            raise
+        await run_all(self._each(lambda e: e.end_weight_update()), "end_weight_update", t)
 
     async def connect(self) -> None:
         """Form the weight-update group (sender rank 0 + every engine rank); idempotent."""
@@ -205,9 +238,9 @@ class BroadcastWeightSync(_PausingSync):
             return
         port, world = _free_port(), self.world_size
         name = f"sao_weights_pp{self.stage}_{uuid.uuid4().hex[:8]}"
-        calls = {f"engine {e.name}": e.init_weights_update_group(
-                     self.master_address, port, 1 + i * self.ranks_per_engine, world, name, self.backend)
-                 for i, e in enumerate(self.engines)}
+        calls = {f"engine {e.name}": e.init_weights_update_group(self.master_address, port, offset, world, name,
+                                                                 self.backend)
+                 for e, offset in zip(self.engines, self.rank_offsets())}
         calls[SENDER] = in_daemon_thread(create_sender_group, self.master_address, port, world, name,
                                           self.backend, self.cfg.timeout_s)
         results = await run_all(calls, f"joining weight-update group {name} (world {world}, {self.backend})",
@@ -216,13 +249,15 @@ class BroadcastWeightSync(_PausingSync):
 
     async def _transfer(self, named_tensors, version: int) -> None:
         """Send the buckets in order; bucket i+1 is flattened (into the other of two reused buffers) while
-        bucket i is on the wire, so the copy hides behind the transfer."""
+        bucket i is on the wire, so the copy hides behind the transfer. The payload device is captured
+        here, in the caller's thread, and made current in the flatten and broadcast threads."""
         await self.connect()
+        device = payload_device(self.backend)
+        bucket_bytes = int(self.cfg.bucket_mb * 2**20)
         buffers, in_flight = self._buffers, None
         try:
-            buckets = iter_buckets(non_expert_first(named_tensors), int(self.cfg.bucket_mb * 2**20))
-            for i, bucket in enumerate(buckets):
-                flat = await asyncio.to_thread(bucket.flatten, self.device, buffers[i % 2])
+            for i, bucket in enumerate(iter_buckets(non_expert_first(named_tensors, bucket_bytes), bucket_bytes)):
+                flat = await asyncio.to_thread(pinned, device, bucket.flatten, device, buffers[i % 2])
                 if buffers[i % 2] is None or flat.numel() > buffers[i % 2].numel():
                     buffers[i % 2] = flat
                 if in_flight is not None:
@@ -237,11 +272,13 @@ class BroadcastWeightSync(_PausingSync):
             raise
 
     async def send_flat(self, bucket: Bucket, flat: torch.Tensor, version: int, label: str = "bucket") -> None:
-        """One bucket: every engine's update call concurrently with the sender's broadcast of `flat`."""
+        """One bucket: every engine's update call concurrently with the sender's broadcast of `flat`.
+        An engine that refuses (HTTP 400) fails the bucket at once, naming it; the sender's broadcast,
+        blocked on that engine, is left to the group timeout in its daemon thread."""
         names, dtypes, shapes = bucket.meta()
         calls = self._each(lambda e: e.update_weights_from_distributed(
             names, dtypes, shapes, self.group_name, version, flattened_bucket=True, flush_cache=False))
-        calls[SENDER] = in_daemon_thread(_broadcast, flat, self.group)
+        calls[SENDER] = in_daemon_thread(pinned, flat.device, _broadcast, flat, self.group)
         what = f"weights {label} ({len(names)} tensors, {flat.numel()} bytes, version {version})"
         try:
             await run_all(calls, what, self.cfg.timeout_s)
@@ -251,17 +288,18 @@ class BroadcastWeightSync(_PausingSync):
 
     async def _blame(self, err: EngineError, what: str) -> EngineError:
         """When only the sender's collective failed (gloo sees the peer's socket close before the dead
-        engine's HTTP call fails), probe every engine's health to name the one that died."""
+        engine's HTTP call fails), probe every engine (/model_info: it answers while paused) to name
+        the one that died."""
         if getattr(err, "parties", None) != [SENDER]:
             return err
         probe = min(10.0, self.cfg.timeout_s)
-        replies = await asyncio.gather(*(asyncio.wait_for(e.health(), probe) for e in self.engines),
+        replies = await asyncio.gather(*(asyncio.wait_for(e.reachable(), probe) for e in self.engines),
                                        return_exceptions=True)
         dead = [e.name for e, ok in zip(self.engines, replies) if ok is not True]
         if not dead:
             return err
-        return _step_error(f"engine {', '.join(dead)}: {what} failed: the engine is unreachable "
-                           f"(the broadcast broke: {err})", [f"engine {n}" for n in dead])
+        return step_error(f"engine {', '.join(dead)}: {what} failed: the engine is unreachable "
+                          f"(the broadcast broke: {err})", [f"engine {n}" for n in dead])
 
     async def close(self) -> None:
         if self.group is None:
@@ -275,7 +313,9 @@ class BroadcastWeightSync(_PausingSync):
 
 
 class DiskWeightSync(_PausingSync):
-    """HF shards under disk_dir/v<version>, loaded by every engine; older versions are deleted."""
+    """HF shards under disk_dir/v<version>, loaded by every engine; older versions are deleted.
+    No session (SGLang's disk load needs none, and end_weight_update after it would post-process the
+    loaded weights a second time); flush_cache=False, the window settles the cache."""
 
     def __init__(self, cfg, engines: list[Engine], disk_dir: str | Path, *, aux_from: str | Path | None = None,
                  manage_pause: bool = True, dtype: Optional[torch.dtype] = None, keep: int = 1):
@@ -287,7 +327,7 @@ class DiskWeightSync(_PausingSync):
 
         path = self.disk_dir / f"v{version}"
         await asyncio.to_thread(save_hf_checkpoint, path, named_tensors, self.aux_from)
-        await run_all(self._each(lambda e: e.update_weights_from_disk(str(path), version)),
+        await run_all(self._each(lambda e: e.update_weights_from_disk(str(path), version, flush_cache=False)),
                       f"update_weights_from_disk({path})", self.cfg.timeout_s)
         old = sorted((p for p in self.disk_dir.glob("v*") if p != path and p.name[1:].isdigit()),
                      key=lambda p: int(p.name[1:]))
@@ -295,10 +335,12 @@ class DiskWeightSync(_PausingSync):
             shutil.rmtree(stale, ignore_errors=True)
 
 
-def build_weight_sync(cfg, engines: list[Engine], run_dir: str | Path | None = None, **kwargs) -> WeightSync:
-    """The WeightSync named by cfg.method ("broadcast" | "disk"); kwargs go to its constructor."""
+def build_weight_sync(cfg, engines: list[Engine], run_dir: str | Path | None = None, *,
+                      ranks_per_engine: int | Sequence[int] = 1, **kwargs) -> WeightSync:
+    """The WeightSync named by cfg.method ("broadcast" | "disk"); kwargs go to its constructor.
+    `ranks_per_engine` (each engine's TP size) shapes the broadcast group; disk needs no group."""
     if cfg.method == "broadcast":
-        return BroadcastWeightSync(cfg, engines, **kwargs)
+        return BroadcastWeightSync(cfg, engines, ranks_per_engine=ranks_per_engine, **kwargs)
     if cfg.method == "disk":
         disk_dir = cfg.disk_dir or (Path(run_dir) / "weights" if run_dir is not None else "")
         if not disk_dir:

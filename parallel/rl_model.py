@@ -6,7 +6,7 @@
     metrics = model.train_step(micro_batches, loss_fn)
     for name, tensor in model.export_hf(): ...
 
-Batches are this DP rank's micro-batches (``micro_batches(batch)`` splits by the token budget);
+Batches are this DP rank's micro-batches (sao_megatron/trainer/batching.py splits by the token budget);
 results are replicated on every TP/PP rank of the replica. Conventions follow records.py: value
 and logprob at position t belong to token t and come from the hidden state at t-1; position 0 is 0.
 """
@@ -29,7 +29,7 @@ from .hf_mapping import HFMapping
 from .logprobs import shift_to_tokens, token_logprobs_from_logits
 from .offload import ModelParking
 from .optimizer import OptimSettings, build_optimizer, current_lr, guarded_step, loss_is_finite, wrap_ddp
-from .packing import seq_multiple, split_by_token_budget
+from .packing import seq_multiple
 from .routing_replay import RouteReplayer
 from .schedule import configure_per_token_loss, run_schedule
 from .weights import export_hf_tensors, load_hf_tensors
@@ -83,10 +83,6 @@ class RLModel:
     def modules(self) -> list[torch.nn.Module]:
         """The unwrapped GPTModel chunks of this rank."""
         return [c.module for c in self.chunks]
-
-    def micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
-        """Split rows by parallel.micro_batch_tokens (padded length: packing.seq_multiple)."""
-        return split_by_token_budget(batch, self.recipe.parallel.micro_batch_tokens, self.seq_multiple)
 
     # -- weights -----------------------------------------------------------------------------------
     def _mapping(self) -> HFMapping:

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Optional
 
 from rollout.buffer import GroupFilter, SampleBuffer
-from rollout.engine import Engine, EngineError, GenerateRequest, GenerateResult
+from rollout.engine import Engine, EngineError, GenerateRequest, GenerateResult, settle_prefix_cache
 from rollout.rewards.base import apply_reward
 from rollout.staleness import StalenessStats, token_versions
 from sao_megatron.records import Sample, SampleStatus
@@ -159,7 +159,7 @@ class RolloutDriver:
 
     @contextlib.asynccontextmanager
     async def weight_update(self, mode: Optional[str] = None, version: Optional[int] = None):
-        """Pause the engines for a weight update, yield, then resume under the new version.
+        """Pause the engines for a weight update, yield, then resume under the new version (caches settled).
 
         ``mode`` defaults to ``rollout.update_mode``. ``version`` is the new weight version; when
         omitted each engine is asked for its own after the update.
@@ -176,12 +176,15 @@ class RolloutDriver:
             try:
                 yield
             finally:
-                await self._after_update(live, version)
+                await self._after_update(live, version, mode)
 
-    async def _after_update(self, live: list[Engine], version: Optional[int]) -> None:
+    async def _after_update(self, live: list[Engine], version: Optional[int], mode: str) -> None:
         for engine in live:
             self._versions[engine.name] = (version if version is not None
                                            else await self._control(engine, engine.weight_version()))
+        # No request may reuse KV of the old weights: new namespace; flushed unless paused in place (engine.py).
+        flush = mode != "in_place"
+        await asyncio.gather(*(self._control(e, settle_prefix_cache(e, self._versions[e.name], flush)) for e in live))
         await asyncio.gather(*(self._control(e, e.resume()) for e in live))
         self._resumed.set()
         self._fill()

@@ -3,14 +3,20 @@
 Two implementations speak SGLang's HTTP protocol (docs/engines.md): `SGLangEngine` against a real
 SGLang server, and the same client against our reference CPU server (`sao serve`). Anything that
 talks to an engine goes through this interface, so tests can also use an in-process fake.
+
+After a weight update, `settle_prefix_cache` is what the party that paused the engines calls before
+resuming them (docs/weights.md, "Prefix cache after an update").
 """
 from __future__ import annotations
 
 import abc
+import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 class EngineError(RuntimeError):
@@ -48,6 +54,9 @@ class Engine(abc.ABC):
     """One rollout server. All calls are async and carry a timeout."""
 
     name: str
+    # Prefix-cache namespace every request carries (SGLang's `extra_key`): requests in different
+    # namespaces never share cached KV. `settle_prefix_cache` sets it to the served weight version.
+    cache_namespace: Optional[str] = None
 
     @abc.abstractmethod
     async def generate(self, request: GenerateRequest) -> GenerateResult: ...
@@ -67,7 +76,17 @@ class Engine(abc.ABC):
     async def flush_cache(self) -> None: ...
 
     @abc.abstractmethod
-    async def health(self) -> bool: ...
+    async def health(self) -> bool:
+        """Liveness through generation (SGLang's /health generates one token): never call it while
+        the engine is paused, where it waits and then reports the engine unhealthy."""
+
+    async def reachable(self) -> bool:
+        """Liveness without generating (reads the weight version), so it answers while paused."""
+        try:
+            await self.weight_version()
+        except (EngineError, OSError):
+            return False
+        return True
 
     @abc.abstractmethod
     async def weight_version(self) -> int: ...
@@ -80,6 +99,15 @@ class Engine(abc.ABC):
     async def destroy_weights_update_group(self, group_name: str) -> None: ...
 
     @abc.abstractmethod
+    async def begin_weight_update(self) -> None:
+        """Open the engine's weight-update session: SGLang 0.5.23 refuses update_weights_from_distributed
+        outside one. Fails if a session is already open."""
+
+    @abc.abstractmethod
+    async def end_weight_update(self) -> None:
+        """Close the session begin_weight_update opened. Fails if none is open."""
+
+    @abc.abstractmethod
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
                                               shapes: list[list[int]], group_name: str,
                                               weight_version: int, flattened_bucket: bool = True,
@@ -87,10 +115,41 @@ class Engine(abc.ABC):
         """Receive one broadcast bucket; returns when the engine has loaded it."""
 
     @abc.abstractmethod
-    async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None: ...
+    async def update_weights_from_disk(self, model_path: str, weight_version: int, flush_cache: bool = True) -> None:
+        """Load HF shards from `model_path`. SGLang refuses flush_cache=True while requests paused in
+        place hold KV; weight sync sends False and settles the cache itself (settle_prefix_cache)."""
 
     @abc.abstractmethod
     async def get_weights_by_name(self, name: str) -> torch.Tensor: ...
 
     async def close(self) -> None:
         """Release client resources (connections). The server itself keeps running."""
+
+
+def cache_namespace(version: int) -> str:
+    return f"sao-w{version}"
+
+
+async def settle_prefix_cache(engine: Engine, version: int, flush: bool) -> bool:
+    """After a weight update, before resuming: no request may reuse KV (or routes) computed under
+    older weights. Returns whether the cache was flushed.
+
+    - New requests go to `version`'s prefix-cache namespace: SGLang keeps radix-cache entries of
+      different `extra_key`s disjoint (mem_cache/radix_cache.py match_prefix), so nothing cached
+      under older weights is matched again, in every pause mode.
+    - ``flush`` (pause modes abort and retract, or idle engines): no request holds KV (aborted, or
+      retracted with its KV freed), so /flush_cache also frees the stale entries at once. With
+      in_place the paused requests keep their KV in the running batch and SGLang refuses the flush
+      (managers/scheduler.py flush_cache); their entries age out by LRU eviction instead. A refused
+      flush is logged, not raised: the namespace already keeps the stale entries unused.
+    """
+    flushed = False
+    if flush:
+        try:
+            await engine.flush_cache()
+            flushed = True
+        except EngineError as err:
+            log.warning("engine %s: prefix cache not flushed after the update to version %d (%s); "
+                        "its stale entries stay unused under the old namespace", engine.name, version, err)
+    engine.cache_namespace = cache_namespace(version)
+    return flushed

@@ -9,11 +9,17 @@ Weight versions are strings in SGLang; ours are ints. The client sends ``str(ver
 ``int(...)`` back; SGLang's initial ``"default"`` reads as 0 (the weights it was started with).
 Per-token versions come from ``meta_info.output_token_weight_versions`` (reference server) or are
 expanded from SGLang's ``meta_info.weight_versions`` spans.
+
+Routes: SGLang returns ``[tokens, num_hidden_layers, num_experts_per_tok]`` but never reports that
+shape (/model_info has no such keys), so the client takes it from the model's config.json when the
+engines are built (`route_shape_from_config`).
 """
 from __future__ import annotations
 
 import asyncio
 import math
+import json
+from pathlib import Path
 from typing import Any, Optional
 
 from rollout.engine import Engine, EngineError, GenerateRequest, GenerateResult
@@ -30,7 +36,7 @@ FINISH_TYPES = ("stop", "length", "abort")
 SGLANG_VERSION = "0.5.23"
 ROUTES: dict[str, tuple[str, str | None, tuple[str, ...]]] = {   # path: (method, request struct, fields sent)
     "/generate": ("POST", "GenerateReqInput", ("rid", "input_ids", "sampling_params", "return_logprob",
-                                               "logprob_start_len", "return_routed_experts")),
+                                               "logprob_start_len", "return_routed_experts", "extra_key")),
     "/abort_request": ("POST", "AbortReq", ("rid", "abort_all")),
     "/pause_generation": ("POST", "PauseGenerationReqInput", ("mode",)),
     "/continue_generation": ("POST", "ContinueGenerationReqInput", ()),
@@ -40,9 +46,12 @@ ROUTES: dict[str, tuple[str, str | None, tuple[str, ...]]] = {   # path: (method
     "/init_weights_update_group": ("POST", "InitWeightsUpdateGroupReqInput", (
         "master_address", "master_port", "rank_offset", "world_size", "group_name", "backend")),
     "/destroy_weights_update_group": ("POST", "DestroyWeightsUpdateGroupReqInput", ("group_name",)),
+    "/begin_weight_update": ("POST", "BeginWeightUpdateReqInput", ("selector",)),
+    "/end_weight_update": ("POST", "EndWeightUpdateReqInput", ()),
     "/update_weights_from_distributed": ("POST", "UpdateWeightsFromDistributedReqInput", (
         "names", "dtypes", "shapes", "group_name", "flush_cache", "weight_version", "load_format")),
-    "/update_weights_from_disk": ("POST", "UpdateWeightFromDiskReqInput", ("model_path", "weight_version")),
+    "/update_weights_from_disk": ("POST", "UpdateWeightFromDiskReqInput", ("model_path", "weight_version",
+                                                                          "flush_cache")),
     "/get_weights_by_name": ("POST", "GetWeightsByNameReqInput", ("name", "truncate_size")),
 }
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed")
@@ -59,11 +68,15 @@ def _aiohttp():
 
 
 class SGLangEngine(Engine):
-    """HTTP client of one SGLang-protocol server at `url` (e.g. "http://127.0.0.1:30000")."""
+    """HTTP client of one SGLang-protocol server at `url` (e.g. "http://127.0.0.1:30000").
+
+    ``moe_topk`` and ``num_layers`` give the routes' shape (experts per token, hidden layers); build
+    them with ``**route_shape_from_config(model_path)``. Without ``moe_topk`` a request for routes fails.
+    """
 
     def __init__(self, url: str, api_key: str = "", name: Optional[str] = None, timeout_s: float = 600.0,
                  control_timeout_s: float = 60.0, weight_timeout_s: float = 600.0, max_retries: int = 3,
-                 backoff_s: float = 0.5, moe_topk: Optional[int] = None, num_moe_layers: Optional[int] = None,
+                 backoff_s: float = 0.5, moe_topk: Optional[int] = None, num_layers: Optional[int] = None,
                  max_connections: int = 256):
         self.url = url.rstrip("/")
         self.name = name or self.url
@@ -74,7 +87,7 @@ class SGLangEngine(Engine):
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.moe_topk = moe_topk
-        self.num_moe_layers = num_moe_layers
+        self.num_layers = num_layers
         self.max_connections = max_connections
         self._session = None
 
@@ -130,25 +143,17 @@ class SGLangEngine(Engine):
 
     # ---- generation ----
     async def generate(self, request: GenerateRequest) -> GenerateResult:
-        body = generate_body(request)
+        body = generate_body(request, self.cache_namespace)
         data = await self._ok("POST", "/generate", body, self.timeout_s)
-        has_routes = isinstance(data, dict) and isinstance(data.get("meta_info"), dict) \
-            and "routed_experts" in data["meta_info"]
-        top_k = await self._route_topk() if request.return_routed_experts and has_routes else self.moe_topk
+        meta = data.get("meta_info") if isinstance(data, dict) else None
+        if request.return_routed_experts and isinstance(meta, dict) and "routed_experts" in meta \
+                and self.moe_topk is None:
+            raise self._fail("cannot decode routed experts: moe_topk unknown (SGLang does not report it); "
+                             "build the client with **route_shape_from_config(model_path)")
         try:
-            return parse_generate_reply(data, request, top_k, self.num_moe_layers, self.name)
+            return parse_generate_reply(data, request, self.moe_topk, self.num_layers, self.name)
         except ValueError as err:
             raise self._fail(f"/generate reply for rid {request.rid}: {err}") from None
-
-    async def _route_topk(self) -> int:
-        if self.moe_topk is None:
-            info = await self._ok("GET", "/model_info", None, self.control_timeout_s)
-            topk = info.get("moe_topk") if isinstance(info, dict) else None
-            if not isinstance(topk, int) or topk < 1:
-                raise self._fail("cannot decode routed experts: the server does not report moe_topk "
-                                 "(SGLang does not); pass SGLangEngine(moe_topk=config.num_experts_per_tok)")
-            self.moe_topk = topk
-        return self.moe_topk
 
     async def abort(self, rid: Optional[str] = None) -> None:
         await self._ok("POST", "/abort_request", {"rid": rid or "", "abort_all": rid is None}, self.control_timeout_s)
@@ -195,6 +200,13 @@ class SGLangEngine(Engine):
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self._success("/destroy_weights_update_group", {"group_name": group_name}, self.weight_timeout_s)
 
+    async def begin_weight_update(self) -> None:
+        """Open the weight-update session for every runner ("all": target and draft models)."""
+        await self._success("/begin_weight_update", {"selector": "all"}, self.weight_timeout_s)
+
+    async def end_weight_update(self) -> None:
+        await self._success("/end_weight_update", {}, self.weight_timeout_s)
+
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               group_name: str, weight_version: int, flattened_bucket: bool = True,
                                               flush_cache: bool = True) -> None:
@@ -205,9 +217,10 @@ class SGLangEngine(Engine):
             "weight_version": str(weight_version),
             "load_format": "flattened_bucket" if flattened_bucket else None}, self.weight_timeout_s)
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None:
+    async def update_weights_from_disk(self, model_path: str, weight_version: int, flush_cache: bool = True) -> None:
         await self._success("/update_weights_from_disk", {
-            "model_path": model_path, "weight_version": str(weight_version)}, self.weight_timeout_s)
+            "model_path": model_path, "weight_version": str(weight_version), "flush_cache": flush_cache},
+            self.weight_timeout_s)
 
     async def get_weights_by_name(self, name: str) -> torch.Tensor:
         """The whole tensor as float32 (SGLang sends JSON numbers; exact for fp32/bf16/fp16 weights)."""
@@ -222,15 +235,35 @@ class SGLangEngine(Engine):
             raise self._fail(f"/get_weights_by_name {name!r}: ragged or non-numeric reply ({err})") from None
 
 
-def generate_body(request: GenerateRequest) -> dict:
-    """SGLang /generate body for one request (output-token logprobs only: logprob_start_len -1)."""
+
+def route_shape_from_config(model_path: str | Path) -> dict:
+    """{"moe_topk", "num_layers"} of the routes an engine serving `model_path` returns, from its
+    config.json as SGLang reads them (state_capturer/routed_experts.py: num_experts_per_tok and
+    num_hidden_layers of the text config); both None for a dense model."""
+    path = Path(model_path) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read the routes' shape from {path}: {err}; fix: point model.path at an "
+                         "HF model directory") from None
+    text = config.get("text_config") or config
+    topk = text.get("num_experts_per_tok")
+    return {"moe_topk": topk, "num_layers": text.get("num_hidden_layers") if topk else None}
+
+
+def generate_body(request: GenerateRequest, cache_namespace: Optional[str] = None) -> dict:
+    """SGLang /generate body for one request (output-token logprobs only: logprob_start_len -1).
+    ``cache_namespace`` goes out as ``extra_key``, SGLang's prefix-cache namespace."""
     sampling = {"max_new_tokens": request.max_new_tokens, "temperature": request.temperature,
                 "top_p": request.top_p, "top_k": request.top_k, "stop_token_ids": list(request.stop_token_ids)}
     if request.seed is not None:
         sampling["sampling_seed"] = request.seed
-    return {"rid": request.rid, "input_ids": list(request.input_ids), "sampling_params": sampling,
+    body = {"rid": request.rid, "input_ids": list(request.input_ids), "sampling_params": sampling,
             "return_logprob": request.return_logprob, "logprob_start_len": -1,
             "return_routed_experts": request.return_routed_experts}
+    if cache_namespace is not None:
+        body["extra_key"] = cache_namespace
+    return body
 
 
 def parse_version(value: Any) -> int:

@@ -111,7 +111,8 @@ class RolloutConfig:
     host: str = doc("127.0.0.1", "Host the started engines bind to.")
     port: int = doc(0, "First engine port; 0 = pick free ports.")
     api_key: str = doc("", "API key the engines require ('' = generate one per run).")
-    engine_tp: int = doc(1, "SGLang: tensor parallel size per engine.")
+    engine_tp: int = doc(1, "Tensor-parallel ranks per engine (SGLang --tp-size, reference server --tp); each rank "
+                            "joins the weight-update group, so with engine_urls it must equal the engines' own tp.")
     engine_ep: int = doc(1, "SGLang: expert parallel size per engine.")
     engine_dp_attention: int = doc(0, "SGLang: dp-attention size (0 = off).")
     mem_fraction: float = doc(0.7, "SGLang: --mem-fraction-static.")
@@ -153,6 +154,8 @@ class RolloutConfig:
                  "set rollout.task (e.g. countdown) or rollout.dataset to a jsonl file")
         _require(self.env_switch_every >= 1, f"{p}.env_switch_every", "< 1", "use 1 or more steps")
         _require(0 <= self.port < 65536, f"{p}.port", f"{self.port} out of range", "use 0 (auto) or 1024-65535")
+        _require(self.engine_tp >= 1, f"{p}.engine_tp", f"{self.engine_tp} < 1",
+                 "use 1 or the engines' tensor-parallel size")
 
 
 @dataclass

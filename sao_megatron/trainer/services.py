@@ -3,12 +3,14 @@ sync, metrics, checkpoints and preemption. The loop (loop.py) only calls the met
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import time
 import secrets
 import sys
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -101,12 +103,7 @@ class Services:
         self.driver = RolloutDriver(self.engines, source, resolve_reward_fn(rollout), rollout, self.tokenizer,
                                     seed=recipe.run.seed, filters=filters)
         if recipe.run.debug != "rollout-only":
-            from checkpoints.weight_sync import build_weight_sync
-
-            # The driver pauses and resumes the engines around each sync (it tracks in-flight requests).
-            extra = {"aux_from": recipe.model.path} if recipe.weight_sync.method == "disk" else {}
-            self.weight_sync = build_weight_sync(recipe.weight_sync, self.engines, run_dir=self.run_dir,
-                                                 manage_pause=False, **extra)
+            self.weight_sync = self._new_weight_sync(stage=0)
 
     def _build_sink(self):
         from sao_megatron.metrics import build_metric_sink
@@ -147,15 +144,51 @@ class Services:
             return {}
         started = time.perf_counter()
         sent_before = getattr(self.weight_sync, "bytes_sent", 0)
-        if self.is_driver:
-            async with self.driver.weight_update(self.recipe.weight_sync.pause_mode):
-                await self.push_weights(version)
-        else:
-            await self.push_weights(version)
+        await self._update_weights(version, pause=True)
         metrics = {"perf/weight_sync_s": time.perf_counter() - started}
         if hasattr(self.weight_sync, "bytes_sent"):   # what this rank sent (its stage's share with per-stage senders)
             metrics["perf/weight_sync_sent_mb"] = (self.weight_sync.bytes_sent - sent_before) / 2**20
         return metrics
+
+    async def _update_weights(self, version: int, pause: bool) -> None:
+        """One update window for all stages, owned by the driver rank (docs/weights.md).
+
+        The driver rank pauses the engines through the rollout driver (it tracks in-flight requests;
+        ``pause=False`` when nothing runs yet, at resume) and opens ONE weight-update session per
+        engine; only then may any rank's sender send: a stage sending before the pause would queue
+        behind frozen requests, one sending before the session would be refused. push_weights ends
+        when every stage has landed; then the sessions close and the caches settle before resuming.
+        """
+        async with contextlib.AsyncExitStack() as window:
+            if self.is_driver:
+                try:
+                    await self._open_window(window, version, pause)
+                except BaseException as err:
+                    self._senders_go(error=f"{type(err).__name__}: {err}")
+                    raise
+            self._senders_go()
+            await self.push_weights(version)
+
+    async def _open_window(self, window: contextlib.AsyncExitStack, version: int, pause: bool) -> None:
+        if pause:
+            await window.enter_async_context(self.driver.weight_update(self.recipe.weight_sync.pause_mode))
+        else:   # idle engines: settle (flush, new namespace) after the session closes
+            from checkpoints.weight_sync import settle_caches
+
+            window.push_async_callback(settle_caches, self.engines, version, True, self.recipe.weight_sync.timeout_s)
+        if self.weight_sync is not None:
+            await window.enter_async_context(self.weight_sync.update_session())
+
+    def _senders_go(self, error: Optional[str] = None) -> None:
+        """Every rank waits here for the driver rank's window; its failure fails every rank (no hang)."""
+        if self.world_size == 1:
+            return
+        import torch.distributed as dist
+
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None and not self.is_driver:
+            raise RuntimeError(f"rank {self.rank}: the driver rank could not open the weight update: {box[0]}")
 
     def per_stage_senders(self) -> bool:
         """Each pipeline stage's first rank broadcasts its own layers (weight_sync.senders = per_stage)."""
@@ -167,22 +200,40 @@ class Services:
         """Every rank takes part in gathering the HF-named tensors; the senders send them.
 
         One sender (rank 0) gets every stage's tensors; with per-stage senders each stage's first rank
-        sends only its stage's, and a barrier keeps the driver from resuming the engines before every
-        stage has landed (engines stay paused meanwhile).
+        sends only its stage's, one stage after the other: an engine receives one update at a time
+        (SGLang's scheduler blocks in the broadcast), so two stages sending at once could each hold
+        an engine the other needs, a deadlock (slime serializes its stage senders with a lock for
+        the same reason). After each turn the ranks agree that it landed, so a failed push fails
+        every rank instead of a hang, and the driver closes the sessions only after the last stage.
         """
-        per_stage = self.per_stage_senders()
-        named = self.policy.export_hf(scope="stage" if per_stage else "all")
-        if self.weight_sync is not None:
-            await self.weight_sync.push(named, version)
+        if not self.per_stage_senders():
+            await self._push_turn(self.policy.export_hf(scope="all"), version)
         else:
-            for _ in named:
-                pass
-        if per_stage:
-            torch.distributed.barrier()
+            from parallel.distributed import pipeline_stage_group
+
+            my_stage = pipeline_stage_group()[0]
+            for stage in range(self.recipe.parallel.pp):
+                await self._push_turn(self.policy.export_hf(scope="stage") if stage == my_stage else None, version)
         if self.recipe.weight_sync.check_equal:
             from checkpoints.weight_sync import check_weight_update_equal
 
             await check_weight_update_equal(self.engines if self.is_driver else [], self.policy.export_hf())
+
+    async def _push_turn(self, named, version: int) -> None:
+        """One turn: the senders send `named` (None: not this rank's turn), every rank of the turn
+        drains it, then all ranks agree that it landed."""
+        error = None
+        try:
+            if named is not None and self.weight_sync is not None:
+                await self.weight_sync.push(named, version)
+        except Exception as err:   # noqa: BLE001 - shared with every rank below, then re-raised
+            if self.world_size == 1:
+                raise
+            error = err
+        for _ in named or ():   # no sender here, or one that failed mid-stream: keep the export's collectives in step
+            pass
+        if self.world_size > 1:
+            _all_pushes_landed(error, self.rank)
 
     async def _build_stage_senders(self) -> None:
         """With per-stage senders, rank 0 shares the engines' endpoints and every other stage's first
@@ -198,14 +249,17 @@ class Services:
         stage, _, index = pipeline_stage_group()
         if self.is_driver or index != 0:
             return
-        from checkpoints.weight_sync import build_weight_sync
-        from rollout.sglang_client import SGLangEngine
+        self.engines = engine_clients(self.recipe, box[0]["urls"], box[0]["api_key"])
+        self.weight_sync = self._new_weight_sync(stage=stage)
 
-        rollout = self.recipe.rollout
-        self.engines = [SGLangEngine(url, api_key=box[0]["api_key"], name=f"engine{i}@{url}",
-                                     timeout_s=rollout.request_timeout_s) for i, url in enumerate(box[0]["urls"])]
-        self.weight_sync = build_weight_sync(self.recipe.weight_sync, self.engines, run_dir=self.run_dir,
-                                             stage=stage, manage_pause=False)
+    def _new_weight_sync(self, stage: int):
+        """This rank's sender to every engine; the driver rank owns the update window (manage_pause=False)."""
+        from checkpoints.weight_sync import build_weight_sync
+
+        recipe = self.recipe
+        extra = {"aux_from": recipe.model.path} if recipe.weight_sync.method == "disk" else {"stage": stage}
+        return build_weight_sync(recipe.weight_sync, self.engines, run_dir=self.run_dir, manage_pause=False,
+                                 ranks_per_engine=recipe.rollout.engine_tp, **extra)
 
     async def maybe_evaluate(self, step: int) -> dict:
         """eval/<set>/avg@k and pass@k on the engines' current weights, every eval.interval steps."""
@@ -261,7 +315,7 @@ class Services:
         if self.trainer.version > 0 and self.recipe.run.debug == "none":
             # The engines start from the initial weights: give them the resumed policy before any
             # request runs (the driver has not started yet, so there is nothing to pause).
-            await self.push_weights(self.trainer.version)
+            await self._update_weights(self.trainer.version, pause=False)
 
     def preemption_requested(self) -> bool:
         from checkpoints.preemption import should_checkpoint_and_exit
@@ -298,6 +352,20 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _all_pushes_landed(error: Optional[BaseException], rank: int) -> None:
+    """Every rank learns whether every rank's push landed; any failure raises on all of them."""
+    import torch.distributed as dist
+
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}")
+    failed = [(r, msg) for r, msg in enumerate(outcomes) if msg is not None]
+    if error is not None:
+        raise error
+    if failed:
+        r, msg = failed[0]
+        raise RuntimeError(f"rank {rank}: the weight push of rank {r} failed: {msg}")
+
+
 def _share(samples, world_size: int):
     if world_size == 1:
         return samples
@@ -310,8 +378,6 @@ def _share(samples, world_size: int):
 
 async def start_engines(recipe: Recipe, run_dir: Path):
     """Connect to recipe.rollout.engine_urls, or start num_engines local engines. Returns (engines, handles)."""
-    from rollout.sglang_client import SGLangEngine
-
     rollout = recipe.rollout
     api_key = rollout.api_key or secrets.token_hex(16)
     handles = []
@@ -326,10 +392,19 @@ async def start_engines(recipe: Recipe, run_dir: Path):
             for handle in handles:  # a later engine failed to start: stop the earlier ones
                 handle.stop()
             raise
-    engines = [SGLangEngine(url, api_key=api_key, name=f"engine{i}@{url}", timeout_s=rollout.request_timeout_s)
-               for i, url in enumerate(urls)]
+    engines = engine_clients(recipe, urls, api_key)
     (run_dir / "engines.json").write_text(json.dumps({"urls": urls}))
     return engines, handles
+
+
+def engine_clients(recipe: Recipe, urls: list[str], api_key: str) -> list:
+    """One SGLangEngine per URL, told the routes' shape from the model's config.json (SGLang does not
+    report it); the same for the driver's clients and every stage sender's."""
+    from rollout.sglang_client import SGLangEngine, route_shape_from_config
+
+    shape = route_shape_from_config(recipe.model.path)
+    return [SGLangEngine(url, api_key=api_key, name=f"engine{i}@{url}", timeout_s=recipe.rollout.request_timeout_s,
+                         **shape) for i, url in enumerate(urls)]
 
 
 def _launch_engine(recipe: Recipe, index: int, api_key: str, run_dir: Path):
@@ -338,8 +413,10 @@ def _launch_engine(recipe: Recipe, index: int, api_key: str, run_dir: Path):
     if rollout.engine == "reference":
         from rollout.reference_server import launch_local
 
+        # --tp N: the server joins the weight-update group as N ranks, as an SGLang engine with tp N does
+        extra = ["--tp", str(rollout.engine_tp)] if rollout.engine_tp > 1 else None
         return launch_local(Path(recipe.model.path).resolve(), host=rollout.host, port=port, api_key=api_key,
-                            log_path=run_dir / f"engine{index}.log", seed=recipe.run.seed + index)
+                            log_path=run_dir / f"engine{index}.log", seed=recipe.run.seed + index, extra_args=extra)
     from rollout.sglang_launcher import launch_sglang
 
     return launch_sglang(recipe, index=index, port=port, api_key=api_key, log_path=run_dir / f"engine{index}.log")

@@ -16,6 +16,11 @@ generation stops after a token in the request's stop_token_ids.
 
 Failure injection: ``kill()`` makes every running and future call raise EngineError until
 ``revive()``; ``fail_prob`` fails a request at a random token.
+
+Weight-update protocol as SGLang 0.5.23: update_weights_from_distributed is refused outside a
+begin/end_weight_update session; /flush_cache is refused while requests paused in place are running.
+``calls`` records every control call in order; ``namespaces`` the prefix-cache namespace
+(``cache_namespace``) each request id was sent under.
 """
 from __future__ import annotations
 
@@ -60,11 +65,15 @@ class FakeEngine(Engine):
         self._running: set[str] = set()
         self._slots = asyncio.Semaphore(max_running) if max_running else None
         self.rids: list[str] = []            # every request id received, in order
+        self.namespaces: dict[str, Optional[str]] = {}   # rid -> cache_namespace it was sent under
+        self.calls: list[str] = []           # control calls in order (pause:mode, flush_cache, ...)
+        self.session_open = False
         self.tokens_generated = 0
 
     async def generate(self, request: GenerateRequest) -> GenerateResult:
         self._check_alive()
         self.rids.append(request.rid)
+        self.namespaces[request.rid] = self.cache_namespace
         await self._resumed.wait()
         if self._slots is None:
             return await self._generate(request)
@@ -132,24 +141,30 @@ class FakeEngine(Engine):
     def revive(self):
         self.dead = False
 
-    async def abort(self, rid: Optional[str] = None) -> None:
+    def _control(self, what: str) -> None:
         self._check_alive()
+        self.calls.append(what)
+
+    async def abort(self, rid: Optional[str] = None) -> None:
+        self._control("abort")
         self._aborted.update(self._running if rid is None else {rid})
 
     async def pause(self, mode: str = "in_place") -> None:
-        self._check_alive()
+        self._control(f"pause:{mode}")
         self.paused_mode = mode
         self._resumed.clear()
         if mode == "abort":
             self._aborted.update(self._running)
 
     async def resume(self) -> None:
-        self._check_alive()
+        self._control("continue")
         self.paused_mode = None
         self._resumed.set()
 
     async def flush_cache(self) -> None:
-        self._check_alive()
+        self._control("flush_cache")
+        if self.paused_mode == "in_place" and self._running - self._aborted:
+            raise EngineError(f"engine {self.name}: /flush_cache answered HTTP 400: requests are still running")
 
     async def health(self) -> bool:
         return not self.dead
@@ -159,18 +174,33 @@ class FakeEngine(Engine):
         return self.version
 
     async def init_weights_update_group(self, *args, **kwargs) -> None:
-        self._check_alive()
+        self._control("init_weights_update_group")
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
-        self._check_alive()
+        self._control("destroy_weights_update_group")
+
+    async def begin_weight_update(self) -> None:
+        self._control("begin_weight_update")
+        if self.session_open:
+            raise EngineError(f"engine {self.name}: /begin_weight_update failed: a session is already open")
+        self.session_open = True
+
+    async def end_weight_update(self) -> None:
+        self._control("end_weight_update")
+        if not self.session_open:
+            raise EngineError(f"engine {self.name}: /end_weight_update failed: no session is open")
+        self.session_open = False
 
     async def update_weights_from_distributed(self, names, dtypes, shapes, group_name, weight_version,
                                               flattened_bucket=True, flush_cache=True) -> None:
-        self._check_alive()
+        self._control("update_weights_from_distributed")
+        if not self.session_open:
+            raise EngineError(f"engine {self.name}: /update_weights_from_distributed failed: must run between "
+                              "begin_weight_update() and end_weight_update()")
         self.version = weight_version
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: int) -> None:
-        self._check_alive()
+    async def update_weights_from_disk(self, model_path: str, weight_version: int, flush_cache: bool = True) -> None:
+        self._control("update_weights_from_disk")
         self.version = weight_version
 
     async def get_weights_by_name(self, name: str) -> torch.Tensor:

@@ -39,7 +39,7 @@ def cfg(**kw):
 
 def run_driver(handles, config, scenario, **kw):
     async def main():
-        engines = [SGLangEngine(h.url, api_key=KEY, name=f"ref{i}", timeout_s=120, max_retries=0)
+        engines = [SGLangEngine(h.url, api_key=KEY, name=f"ref{i}", timeout_s=120, max_retries=0, moe_topk=2)
                    for i, h in enumerate(handles)]
         source = build_prompt_source(config, TOK, seed=0, num_problems=64)
         driver = RolloutDriver(engines, source, resolve_reward_fn(config), config, TOK, seed=0,

@@ -139,7 +139,9 @@ def test_client_sends_only_what_the_table_declares(monkeypatch):
 
     async def drive():
         e = SGLangEngine("http://x", name="fake")
+        e.cache_namespace = "sao-w3"
         await e.generate(GenerateRequest(rid="r", input_ids=[1], max_new_tokens=2, seed=1))
+        await e.begin_weight_update(), await e.end_weight_update()
         await e.abort("r"), await e.abort(), await e.pause("retract"), await e.resume(), await e.flush_cache()
         await e.health(), await e.weight_version(), await e.get_weights_by_name("w")
         await e.init_weights_update_group("h", 1, 1, 2, "g", "nccl")

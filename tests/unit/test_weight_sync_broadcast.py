@@ -38,11 +38,56 @@ def test_buckets_respect_size_and_order():
     assert b.meta() == (["a", "b"], ["float32", "int16"], [[1], [1]])
 
 
+def test_bucket_offsets_meet_sglangs_alignment_check():
+    """An odd-length bf16 tensor before an fp32 one would put the fp32 at byte offset 6, which SGLang's
+    FlattenedTensorBucket.empty refuses; the bucket lists larger element sizes first."""
+    named = [("a.bf16", torch.ones(3, dtype=torch.bfloat16)), ("b.fp32", torch.arange(2.0)),
+             ("c.int8", torch.ones(1, dtype=torch.int8)), ("d.fp64", torch.ones(1, dtype=torch.float64))]
+    (bucket,) = iter_buckets(named, bucket_bytes=1 << 20)
+    names, dtypes, shapes = bucket.meta()
+    assert names == ["d.fp64", "b.fp32", "a.bf16", "c.int8"]
+    offset, flat = 0, bucket.flatten()
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        size = torch.empty(shape, dtype=getattr(torch, dtype)).nbytes
+        assert offset % getattr(torch, dtype).itemsize == 0, name
+        view = flat[offset:offset + size].view(getattr(torch, dtype)).reshape(shape)   # the receiver's view
+        assert torch.equal(view, dict(named)[name]), name
+        offset += size
+    assert offset == flat.numel() == bucket.nbytes
+
+
 def test_non_expert_first_keeps_relative_order():
-    names = [n for n, _ in non_expert_first(_named())]
+    names = [n for n, _ in non_expert_first(_named(), max_held_bytes=1 << 30)]
     assert names == ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.gate.weight",
                      "model.norm.weight", "model.layers.0.mlp.experts.3.up_proj.weight",
                      "model.layers.1.mlp.experts.0.down_proj.weight"]
+
+
+def test_non_expert_first_holds_bounded_bytes():
+    """An export that interleaves layers (attention, then 8 experts of 4 KiB, per layer): the reorder
+    never holds more than its bound beyond the tensor in hand, and every tensor comes out once."""
+    def export(layers=6):
+        for layer in range(layers):
+            yield f"model.layers.{layer}.self_attn.o_proj.weight", torch.zeros(32, 32)
+            for j in range(8):
+                yield f"model.layers.{layer}.mlp.experts.{j}.down_proj.weight", torch.zeros(32, 32)
+
+    produced, consumed, peak = [0], [0], [0]
+
+    def counted():
+        for name, t in export():
+            produced[0] += t.nbytes
+            yield name, t
+
+    out = []
+    for name, t in non_expert_first(counted(), max_held_bytes=3 * 4096):
+        peak[0] = max(peak[0], produced[0] - consumed[0])
+        consumed[0] += t.nbytes
+        out.append(name)
+    assert sorted(out) == sorted(n for n, _ in export()) and len(out) == 6 * 9
+    assert peak[0] <= 3 * 4096 + 4096           # the bound plus the tensor that overflowed it
+    assert out[:4] == ["model.layers.0.self_attn.o_proj.weight"] + [
+        f"model.layers.0.mlp.experts.{j}.down_proj.weight" for j in range(3)]   # held experts leave in runs of 3
 
 
 async def _closing(engines, fn):
@@ -70,30 +115,40 @@ def test_broadcast_delivers_bit_exact_to_every_engine_and_sets_version():
     checked, sent, versions, q_dtype = asyncio.run(_closing(engines, scenario))
     assert checked == 6 and sent == 2 * sum(t.numel() * t.element_size() for _, t in _named())
     assert versions == [4, 4] and q_dtype == torch.bfloat16 and [e.rank for e in engines] == [1, 2]
-    for e in engines:
-        assert e.calls[:4] == ["health", "pause_generation:in_place", "flush_cache", "init_weights_update_group"]
-        assert e.calls.count("update_weights_from_distributed") == 2 * 4  # 4 buckets of <= 20 KiB per push
-        assert e.calls.count("continue_generation") == 2
+    for e in engines:   # one push: liveness without generating, pause, ONE session, no flush in place
+        assert e.calls[:10] == ["model_info", "pause_generation:in_place", "begin_weight_update",
+                                "init_weights_update_group"] + ["update_weights_from_distributed"] * 4 + [
+                                "end_weight_update", "continue_generation"]
+        assert e.calls.count("begin_weight_update") == e.calls.count("end_weight_update") == 2
+        assert "health" not in e.calls and "flush_cache" not in e.calls and not e.session_open
+        assert e.cache_namespace == "sao-w4"   # requests after the update never reuse older prefixes
 
 
 def test_dead_engine_is_named():
     async def scenario(engines):
         await BroadcastWeightSync(WeightSyncConfig(timeout_s=5), engines).push(_named(), version=1)
 
-    with pytest.raises(EngineError, match="engine killed-7: health check failed"):
+    with pytest.raises(EngineError, match=r"engine killed-7: liveness check \(/model_info\) failed"):
         asyncio.run(_closing([FakeEngine("alive"), FakeEngine("killed-7", dead=True)], scenario))
 
 
-def test_unhealthy_engine_is_named():
-    class Unhealthy(FakeEngine):
+def test_push_never_calls_health():
+    """SGLang's /health generates a token and, while paused, waits and answers 503: a push (here with
+    the caller holding the pause, as the trainer does) must not depend on it."""
+    class PausedHealth(FakeEngine):
         async def health(self) -> bool:
+            self._note("health")
             return False
 
     async def scenario(engines):
-        await BroadcastWeightSync(WeightSyncConfig(timeout_s=5), engines).push(_named(), version=1)
+        sync = BroadcastWeightSync(WeightSyncConfig(bucket_mb=0.05, timeout_s=60), engines, manage_pause=False)
+        async with sync.update_session():
+            await sync.push(_named(), version=2)
+        await sync.close()
+        return [await e.weight_version() for e in engines], engines[0].calls
 
-    with pytest.raises(EngineError, match="engine sick: health check failed: .*unhealthy"):
-        asyncio.run(_closing([Unhealthy("sick")], scenario))
+    versions, calls = asyncio.run(_closing([PausedHealth("paused")], scenario))
+    assert versions == [2] and "health" not in calls
 
 
 def test_hung_engine_times_out_naming_it():
@@ -125,15 +180,26 @@ def test_check_equal_names_the_differing_tensor():
 
 
 def test_disk_sync_writes_shards_and_keeps_latest(tmp_path):
+    """No session (SGLang's disk load needs none) and flush_cache=False: SGLang would refuse the flush
+    while requests paused in place hold KV; the window settles the cache instead."""
+    class Recording(FakeEngine):
+        flushes: list = []
+
+        async def update_weights_from_disk(self, model_path, weight_version, flush_cache=True):
+            Recording.flushes.append(flush_cache)
+            await super().update_weights_from_disk(model_path, weight_version, flush_cache)
+
     async def scenario(engines):
         sync = build_weight_sync(WeightSyncConfig(method="disk", timeout_s=60), engines, run_dir=tmp_path)
         assert isinstance(sync, DiskWeightSync)
         await sync.push(_named(), version=1)
         await sync.push([(n, t * 2) for n, t in _named()], version=2)
         await check_weight_update_equal(engines, [(n, t * 2) for n, t in _named()])
-        return await engines[0].weight_version()
+        return await engines[0].weight_version(), engines[0].calls
 
-    assert asyncio.run(_closing([FakeEngine("e0")], scenario)) == 2
+    version, calls = asyncio.run(_closing([Recording("e0")], scenario))
+    assert version == 2 and Recording.flushes == [False, False]
+    assert "begin_weight_update" not in calls and "flush_cache" not in calls   # in place: never flushed
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v2"]
 
 
