@@ -59,14 +59,17 @@ for dist in ("torch", "megatron-core", "transformers", "sao-megatron", "transfor
     except md.PackageNotFoundError:
         out[dist] = None
 try:
-    import megatron.core
-    out["megatron_core_from"] = megatron.core.__file__
     import torch
     out["cuda_build"] = torch.version.cuda
     out["cuda_available"] = torch.cuda.is_available()
     out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
 except ImportError:
     out["cuda_available"], out["gpus"] = False, []
+try:
+    import megatron.core
+    out["megatron_core_from"] = megatron.core.__file__
+except ImportError:
+    out["megatron_core_from"] = None
 print("PROBE " + json.dumps(out))
 """
 
@@ -137,8 +140,9 @@ def run_pytest(args: list[str], env: dict, log_path: Path, budget_s: float) -> t
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             code, timed_out = proc.wait(), True
-            log.write(f"\ngpu_check: pytest killed at its {budget_s:.0f}s budget\n")
         pump.join(timeout=10)
+        if timed_out:
+            log.write(f"\ngpu_check: pytest killed at its {budget_s:.0f}s budget\n")
     return code, timed_out
 
 
