@@ -117,7 +117,8 @@ def test_per_token_versions_across_an_update(servers, tiny_model_dir, mode):
         await asyncio.sleep(0.3)                          # requests are mid-generation
         async with driver.weight_update(mode, v0 + 1):
             for e in engines:
-                await e.update_weights_from_disk(str(tiny_model_dir), v0 + 1)   # same weights, new version
+                # same weights, new version; an in-place pause keeps requests in the batch: no flush (SGLang)
+                await e.update_weights_from_disk(str(tiny_model_dir), v0 + 1, flush_cache=mode != "in_place")
         batch = await driver.get_batch(6, v0 + 1)
         return batch, v0, driver.counts["continuations"]
 
@@ -142,7 +143,7 @@ def test_staleness_bound_holds_with_fast_trainer(servers, tiny_model_dir):
             version += 1
             async with driver.weight_update("in_place", version):
                 for e in engines:
-                    await e.update_weights_from_disk(str(tiny_model_dir), version)
+                    await e.update_weights_from_disk(str(tiny_model_dir), version, flush_cache=False)
         return worst, driver.metrics()
 
     worst, metrics = run_driver(servers, cfg(staleness_bound=1, max_in_flight=8, batch_size=2, max_new_tokens=32),
