@@ -2,10 +2,10 @@
 
 Request fields are SGLang's (srt/managers/io_struct.py GenerateReqInput); anything the reference
 server does not implement is refused with a 400 naming the field, never silently ignored. The reply
-is SGLang's ``{text, output_ids, meta_info}``; two meta_info fields are our extension (ignored by
-SGLang clients): ``output_token_weight_versions`` (one int per output token) and the model-shape
-fields of /model_info. SGLang's own per-token record, ``weight_versions`` spans
-``[{version, start, end}]`` over output-token indices, is produced as well.
+is SGLang's ``{text, output_ids, meta_info}``; one meta_info field is our extension (ignored by
+SGLang clients): ``output_token_weight_versions`` (one int per output token). SGLang's own per-token
+record, ``weight_versions`` spans ``[{version, start, end}]`` over output-token indices, is produced
+as well.
 """
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ class WeightMap:
             raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} != model shape {tuple(target.shape)}")
         if target.dtype != tensor.dtype:
             raise ValueError(f"weight {name!r}: dtype {tensor.dtype} != model dtype {target.dtype}; "
-                             "send weights in the dtype the server runs (see /model_info dtype)")
+                             "send weights in the dtype the server runs (see /sao_server_info dtype)")
         target.copy_(tensor)
 
     def check(self, name: str, dtype: torch.dtype, shape: list[int]) -> None:
