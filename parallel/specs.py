@@ -1,6 +1,6 @@
 """HF config.json -> Megatron TransformerConfig + layer spec, per architecture family.
 
-Families (values and sources in ../shared/notes/models.md):
+Families (values from each model's HF config.json and transformers configuration class):
 - qwen3_moe: GQA with per-head q/k RMSNorm, softmax top-k router (top-k renormalised when
   norm_topk_prob), no shared expert, every layer MoE, full RoPE.
 - glm4_moe (GLM-4.5 / Air): first ``first_k_dense_replace`` layers dense, one shared expert, sigmoid router

@@ -1,5 +1,5 @@
-"""Parameter counts of the shape presets against the table in notes/models.md §2 (to the parameter where
-the table gives one, else to the table's 0.01B rounding), and against a real HF model's tensors."""
+"""Parameter counts of the shape presets against the table in docs/cluster.md ("Model shapes"; to the
+parameter where the table gives one, else to its 0.01B rounding), and against a real HF model's tensors."""
 from __future__ import annotations
 
 import json
