@@ -81,10 +81,17 @@ def _load_disk(state, path, version):
     state["version"] = version
 
 
+def _checksums(weights: dict) -> dict:
+    from rollout.weight_checksum import tensor_checksum
+
+    return {name: tensor_checksum(t) for name, t in weights.items()}
+
+
 _OPS = {"join": _join, "receive": _receive, "receive_raw": _receive_raw, "destroy": _destroy, "load_disk": _load_disk,
         "get": lambda state, name: state["weights"][name],
         "set": lambda state, name, t: state["weights"].__setitem__(name, t),
-        "version": lambda state: state["version"], "exit": lambda state: None}
+        "version": lambda state: state["version"], "exit": lambda state: None,
+        "checksums": lambda state: _checksums(state["weights"])}
 
 
 class LoopbackEngine(Engine):
@@ -187,6 +194,16 @@ class LoopbackEngine(Engine):
     async def get_weights_by_name(self, name: str) -> torch.Tensor:
         self._note("get_weights_by_name")
         return await self._rpc("get", name)
+
+    async def check_weights(self, action: str = "checksum", skip_tensor_list=None, selector: str = "all"):
+        """SGLang's /weights_checker "checksum" over the kept tensors (HF names), as one TP rank."""
+        from rollout.weight_checksum import checksum_reply, is_skipped, parse_weights_checker_reply
+
+        if action != "checksum":
+            raise EngineError(f"engine {self.name}: LoopbackEngine answers action 'checksum' only, not {action!r}")
+        sums = await self._rpc("checksums")
+        return parse_weights_checker_reply(checksum_reply(
+            [{n: h for n, h in sums.items() if not is_skipped(n, skip_tensor_list)}]))
 
     async def set_weight(self, name: str, tensor: torch.Tensor) -> None:
         await self._rpc("set", name, tensor)

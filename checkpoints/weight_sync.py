@@ -43,7 +43,7 @@ from .name_map import is_expert_hf_name
 from .weight_buckets import Bucket, create_sender_group, iter_buckets
 
 __all__ = ["WeightSync", "BroadcastWeightSync", "DiskWeightSync", "build_weight_sync", "settle_caches",
-           "non_expert_first", "run_all", "in_daemon_thread", "check_weight_update_equal"]
+           "non_expert_first", "run_all", "in_daemon_thread"]
 
 SENDER = "trainer sender (rank 0)"
 SESSION_CLOSE_AFTER_FAILURE_S = 10.0   # an engine stuck in a broken broadcast must not hold up the error
@@ -348,33 +348,3 @@ def build_weight_sync(cfg, engines: list[Engine], run_dir: str | Path | None = N
         return DiskWeightSync(cfg, engines, disk_dir, **kwargs)
     raise ValueError(f"weight_sync.method {cfg.method!r} unknown; fix: use 'broadcast' or 'disk'")
 
-
-class WeightMismatchError(AssertionError):
-    """An engine serves a tensor that differs from the trainer's."""
-
-
-async def check_weight_update_equal(engines: list[Engine], named_tensors: Iterable[tuple[str, torch.Tensor]],
-                                    timeout_s: float = 120.0) -> int:
-    """Compare every engine's tensor (/get_weights_by_name) with the trainer's, bit for bit (after casting
-    the trainer tensor to the engine's dtype). Returns the number of tensors checked; raises
-    WeightMismatchError naming the engine and tensor of the first difference."""
-    checked = 0
-    for name, expected in named_tensors:
-        got = await run_all({f"engine {e.name}": e.get_weights_by_name(name) for e in engines},
-                            f"get_weights_by_name({name})", timeout_s)
-        for engine, tensor in zip(engines, got):
-            _compare(engine.name, name, expected, tensor)
-        checked += 1
-    return checked
-
-
-def _compare(engine: str, name: str, expected: torch.Tensor, got: torch.Tensor) -> None:
-    got = got.detach().cpu()
-    if tuple(got.shape) != tuple(expected.shape):
-        raise WeightMismatchError(f"engine {engine}: {name} has shape {tuple(got.shape)}, "
-                                  f"trainer {tuple(expected.shape)}")
-    want = expected.detach().cpu().to(got.dtype)
-    if not torch.equal(got, want):
-        delta = (got.double() - want.double()).abs()
-        raise WeightMismatchError(f"engine {engine}: {name} differs from the trainer in {int((delta > 0).sum())} "
-                                  f"of {delta.numel()} entries (max |delta| {delta.max().item():.3g})")

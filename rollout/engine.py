@@ -122,6 +122,12 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def get_weights_by_name(self, name: str) -> torch.Tensor: ...
 
+    async def check_weights(self, action: str = "checksum", skip_tensor_list: Optional[list[str]] = None,
+                            selector: str = "all"):
+        """SGLang's /weights_checker: an `EngineChecksums` (rollout/weight_checksum.py) holding every
+        rank's {tensor name: checksum}. Not abstract: engines that hold no weights need not answer."""
+        raise EngineError(f"engine {self.name}: {type(self).__name__} does not implement check_weights")
+
     async def close(self) -> None:
         """Release client resources (connections). The server itself keeps running."""
 

@@ -53,6 +53,7 @@ ROUTES: dict[str, tuple[str, str | None, tuple[str, ...]]] = {   # path: (method
     "/update_weights_from_disk": ("POST", "UpdateWeightFromDiskReqInput", ("model_path", "weight_version",
                                                                           "flush_cache")),
     "/get_weights_by_name": ("POST", "GetWeightsByNameReqInput", ("name", "truncate_size")),
+    "/weights_checker": ("POST", "CheckWeightsReqInput", ("action", "skip_tensor_list", "selector")),
 }
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed")
 META_INFO_FIELDS = ("finish_reason", "prompt_tokens", "weight_version", "weight_versions",
@@ -234,6 +235,19 @@ class SGLangEngine(Engine):
         except (TypeError, ValueError) as err:
             raise self._fail(f"/get_weights_by_name {name!r}: ragged or non-numeric reply ({err})") from None
 
+    async def check_weights(self, action: str = "checksum", skip_tensor_list: Optional[list[str]] = None,
+                            selector: str = "all"):
+        """/weights_checker: the engine's per-rank tensor checksums (rollout/weight_checksum.py)."""
+        from rollout.weight_checksum import parse_weights_checker_reply
+
+        body = {"action": action, "selector": selector}
+        if skip_tensor_list is not None:
+            body["skip_tensor_list"] = list(skip_tensor_list)
+        data = await self._success("/weights_checker", body, self.weight_timeout_s)
+        try:
+            return parse_weights_checker_reply(data)
+        except ValueError as err:
+            raise self._fail(f"/weights_checker reply: {err}") from None
 
 
 def route_shape_from_config(model_path: str | Path) -> dict:

@@ -22,6 +22,7 @@ from .http_io import error, on_scheduler, read_json
 from .protocol import BadRequest, parse_optional
 from .scheduler import PAUSE_MODES
 from .state import ServerState
+from .weights_checker import weights_checker
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/health_generate")
@@ -63,6 +64,7 @@ def build_app(state: ServerState) -> web.Application:
     r.add_get("/sao_server_info", lambda q: sao_server_info(state, q))
     for method in ("GET", "POST"):
         r.add_route(method, "/flush_cache", lambda q: flush_cache(state, q))
+        r.add_route(method, "/weights_checker", lambda q: weights_checker(state, q, _json))
     r.add_post("/abort_request", lambda q: abort_request(state, q))
     r.add_post("/pause_generation", lambda q: pause_generation(state, q))
     r.add_post("/continue_generation", lambda q: continue_generation(state, q))

@@ -215,7 +215,7 @@ class Services:
             for stage in range(self.recipe.parallel.pp):
                 await self._push_turn(self.policy.export_hf(scope="stage") if stage == my_stage else None, version)
         if self.recipe.weight_sync.check_equal:
-            from checkpoints.weight_sync import check_weight_update_equal
+            from checkpoints.weight_check import check_weight_update_equal
 
             await check_weight_update_equal(self.engines if self.is_driver else [], self.policy.export_hf())
 

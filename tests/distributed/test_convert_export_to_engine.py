@@ -1,7 +1,8 @@
 """The whole weight path from the Megatron trainer: RLModel (CPU/gloo) takes an optimizer step,
 export_hf() streams HF tensors, BroadcastWeightSync sends them to the reference server over its own
 gloo group (Megatron's default group stays in use in the same process), and then
-- every server tensor equals the trainer's bit for bit (check_weight_update_equal, 135 tensors),
+- every server tensor equals the trainer's bit for bit (check_weight_update_equal: the 135 HF tensors
+  hashed as the server's 47, experts fused),
 - the server's logprobs of a sampled continuation equal the trainer's on the same tokens
   (mean |delta| < 1e-5, fp32), with the server reporting the new weight version.
 """
@@ -28,7 +29,8 @@ def _batch(tokens: list[int]):
 
 
 async def _sync_and_sample(named, url: str, api_key: str):
-    from checkpoints.weight_sync import BroadcastWeightSync, check_weight_update_equal
+    from checkpoints.weight_check import check_weight_update_equal
+    from checkpoints.weight_sync import BroadcastWeightSync
     from rollout.engine import GenerateRequest
     from rollout.sglang_client import SGLangEngine
     from sao_megatron.config import WeightSyncConfig
@@ -37,7 +39,7 @@ async def _sync_and_sample(named, url: str, api_key: str):
     try:
         sync = BroadcastWeightSync(WeightSyncConfig(bucket_mb=0.1, timeout_s=120), [engine])
         await sync.push(named, version=1)
-        checked = await check_weight_update_equal([engine], named)
+        checked = [c.compared for c in await check_weight_update_equal([engine], named)]
         result = await engine.generate(GenerateRequest(rid="after-sync", input_ids=PROMPT, max_new_tokens=10,
                                                        temperature=1.0, seed=11, return_routed_experts=False))
         await sync.close()
@@ -74,7 +76,7 @@ def outcome(tiny_model_dir):
 
 def test_trained_weights_arrive_bit_exact(outcome):
     assert outcome["changed"] > 1e-4          # the step moved the weights, so the check is not vacuous
-    assert outcome["checked"] == 135 and outcome["version"] == 1
+    assert outcome["checked"] == [47] and outcome["version"] == 1
 
 
 def test_served_logprobs_equal_trainer_logprobs(outcome):

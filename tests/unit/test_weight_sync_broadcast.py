@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from checkpoints.weight_buckets import Bucket, iter_buckets
-from checkpoints.weight_sync import (BroadcastWeightSync, DiskWeightSync, WeightMismatchError, build_weight_sync,
-                                     check_weight_update_equal, non_expert_first)
+from checkpoints.weight_check import WeightMismatchError, check_weight_update_equal
+from checkpoints.weight_sync import BroadcastWeightSync, DiskWeightSync, build_weight_sync, non_expert_first
 from rollout.engine import EngineError
 from sao_megatron.config import WeightSyncConfig
 
@@ -113,7 +113,8 @@ def test_broadcast_delivers_bit_exact_to_every_engine_and_sets_version():
 
     engines = [FakeEngine("e0"), FakeEngine("e1")]
     checked, sent, versions, q_dtype = asyncio.run(_closing(engines, scenario))
-    assert checked == 6 and sent == 2 * sum(t.numel() * t.element_size() for _, t in _named())
+    assert [(c.compared, c.layout) for c in checked] == [(6, "hf")] * 2
+    assert sent == 2 * sum(t.numel() * t.element_size() for _, t in _named())
     assert versions == [4, 4] and q_dtype == torch.bfloat16 and [e.rank for e in engines] == [1, 2]
     for e in engines:   # one push: liveness without generating, pause, ONE session, no flush in place
         assert e.calls[:10] == ["model_info", "pause_generation:in_place", "begin_weight_update",
@@ -175,7 +176,7 @@ def test_check_equal_names_the_differing_tensor():
         finally:
             await engine.close()
 
-    with pytest.raises(WeightMismatchError, match=r"engine e0: model.norm.weight differs .* 1 of 64"):
+    with pytest.raises(WeightMismatchError, match=r"engine e0 \(tp_rank 0 of 1\): model.norm.weight differs"):
         asyncio.run(main())
 
 
