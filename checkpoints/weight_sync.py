@@ -46,7 +46,7 @@ __all__ = ["WeightSync", "BroadcastWeightSync", "DiskWeightSync", "build_weight_
            "non_expert_first", "run_all", "in_daemon_thread"]
 
 SENDER = "trainer sender (rank 0)"
-SESSION_CLOSE_AFTER_FAILURE_S = 10.0   # an engine stuck in a broken broadcast must not hold up the error
+SESSION_CLOSE_AFTER_FAILURE_S = 10.0   # cleanup after a failure (end session, continue) must not hold up the error
 
 
 class WeightSync(abc.ABC):
@@ -170,12 +170,16 @@ class _PausingSync(WeightSync):
             return
         t, mode = self.cfg.timeout_s, self.cfg.pause_mode
         await run_all(self._each(lambda e: e.pause(mode)), f"pause({mode})", t)
+        resume = lambda timeout: run_all(self._each(lambda e: e.resume()), "continue_generation", timeout)  # noqa: E731
         try:
             async with self.update_session():
                 await self._transfer(named, version)
             await settle_caches(self.engines, version, flush=mode != "in_place", timeout_s=t)
-        finally:
-            await run_all(self._each(lambda e: e.resume()), "continue_generation", t)
+        except BaseException:
+            with contextlib.suppress(EngineError):   # best effort: the failure itself is what to report
+                await resume(min(SESSION_CLOSE_AFTER_FAILURE_S, t))
+            raise
+        await resume(t)
 
     @abc.abstractmethod
     async def _transfer(self, named_tensors, version: int) -> None: ...

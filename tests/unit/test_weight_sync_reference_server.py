@@ -146,3 +146,37 @@ def test_server_dying_mid_sync_is_named(tiny_model_dir):
     finally:
         srv.stop()
     assert DyingEngine.calls == 3
+
+
+def test_engines_of_different_tp_each_join_with_their_ranks(tiny_model_dir):
+    """Two reference servers, `--tp 2` and `--tp 1`: the group has 1 + 2 + 1 members, engine 0 joins as
+    ranks 1-2 and engine 1 as rank 3 (SGLang: rank_offset + tp_rank), and both hold the new weights.
+    A sync that counts the tp-2 server as one rank is refused by it, naming the engine."""
+    from rollout.reference_server import launch_local
+
+    servers = [launch_local(tiny_model_dir, port=0, api_key="k", timeout_s=300, extra_args=["--tp", "2"]),
+               launch_local(tiny_model_dir, port=0, api_key="k", timeout_s=300)]
+    named = _new_weights(tiny_model_dir, 0.02)
+
+    async def scenario():
+        engines = [_engine(s, name=f"tp{tp}") for s, tp in zip(servers, (2, 1))]
+        try:
+            sync = BroadcastWeightSync(WeightSyncConfig(bucket_mb=0.5, timeout_s=120), engines, ranks_per_engine=[2, 1])
+            await sync.push(named, version=6)
+            checked = await check_weight_update_equal(engines, named)
+            await sync.close()
+            wrong = BroadcastWeightSync(WeightSyncConfig(timeout_s=60), engines[:1], ranks_per_engine=1)
+            with pytest.raises(EngineError, match=r"engine tp2: joining weight-update group .* with --tp 2 needs"):
+                await wrong.connect()
+            return sync.rank_offsets(), sync.world_size, checked, [await e.weight_version() for e in engines]
+        finally:
+            for e in engines:
+                await e.close()
+
+    try:
+        offsets, world, checked, versions = asyncio.run(scenario())
+    finally:
+        for s in servers:
+            s.stop()
+    assert offsets == [1, 3] and world == 4 and versions == [6, 6]
+    assert [c.compared for c in checked] == [47, 47]

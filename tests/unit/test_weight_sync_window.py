@@ -170,3 +170,33 @@ def test_a_failure_on_one_rank_reaches_every_rank(fail_rank, other):
     failed, bystander = outcomes[fail_rank], outcomes[1 - fail_rank]
     assert failed.startswith(("ConnectionError", "RuntimeError: bucket 0 refused")), failed
     assert other in bystander, bystander
+
+
+def test_engines_are_built_from_the_recipe(tiny_model_dir, tmp_path, monkeypatch):
+    """Reference engines start with --tp rollout.engine_tp; the weight sync counts that many ranks per
+    engine; the clients know the routes' shape from config.json (SGLang's /model_info does not say)."""
+    import rollout.reference_server as reference_server
+    from sao_megatron.config import load_recipe
+    from sao_megatron.trainer import services as services_mod
+
+    launched = []
+    monkeypatch.setattr(reference_server, "launch_local", lambda *a, **kw: launched.append(kw.get("extra_args")))
+    recipe = load_recipe(None, [f"model.path='{tiny_model_dir}'", "rollout.engine_tp=2"])
+    services_mod._launch_engine(recipe, 0, "k", tmp_path)
+    recipe_tp1 = load_recipe(None, [f"model.path='{tiny_model_dir}'"])
+    services_mod._launch_engine(recipe_tp1, 1, "k", tmp_path)
+    assert launched == [["--tp", "2"], None]
+
+    clients = services_mod.engine_clients(recipe, ["http://127.0.0.1:1", "http://127.0.0.1:2"], "k")
+    assert [(c.moe_topk, c.num_layers) for c in clients] == [(2, 4), (2, 4)]
+    services = Services.__new__(Services)
+    services.recipe, services.engines, services.run_dir = recipe, clients, tmp_path
+    sync = services._new_weight_sync(stage=1)
+    assert sync.engine_ranks == [2, 2] and sync.rank_offsets() == [1, 3] and sync.stage == 1 and not sync.manage_pause
+
+
+def test_engine_tp_below_one_is_refused_by_name(tiny_model_dir):
+    from sao_megatron.config import ConfigError, load_recipe
+
+    with pytest.raises(ConfigError, match="rollout.engine_tp"):
+        load_recipe(None, [f"model.path='{tiny_model_dir}'", "rollout.engine_tp=0"])
