@@ -81,5 +81,5 @@ async def warmup(state) -> None:
     max_new = max(1, min(8, state.runner.max_context - len(input_ids)))
     finished = await run_request(state, _probe("warmup", input_ids, max_new))
     if finished.finish is None or finished.finish.get("type") == "abort":
-        raise RuntimeError(f"warmup generate failed: {finished.finish}")
+        raise RuntimeError(f"it finished with {finished.finish}")
     state.status = UP

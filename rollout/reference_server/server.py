@@ -158,6 +158,7 @@ async def _serve(opts: ServeOptions) -> None:
     watchdog = asyncio.create_task(_watch(state, stop, opts.parent_pid))
     warm = asyncio.create_task(_warmup(state, stop))
     await stop.wait()
+    failed = warm.done() and not warm.cancelled() and warm.result()
     state.exiting = True              # /health answers 503 from here on, as SGLang's while shutting down
     watchdog.cancel()
     warm.cancel()
@@ -165,9 +166,11 @@ async def _serve(opts: ServeOptions) -> None:
     state.scheduler.stop()
     state.transfer.shutdown(wait=False, cancel_futures=True)
     state.tp_ranks.stop()
+    if failed:
+        raise SystemExit(f"reference server: {failed}")   # exit code 1, one line
 
 
-async def _warmup(state, stop: asyncio.Event) -> None:
+async def _warmup(state, stop: asyncio.Event) -> str:
     """Status Starting (/health 503) until one generate went through; a failed warmup stops the server."""
     from .health import warmup
 
@@ -176,8 +179,9 @@ async def _warmup(state, stop: asyncio.Event) -> None:
     except Exception as err:   # SGLang kills the server when its warmup fails (http_server.py:2530-2534)
         log.error("warmup failed, stopping: %s", err)
         stop.set()
-        return
+        return f"warmup generate failed: {err}"
     log.info("warmup done: the server is Up")
+    return ""
 
 
 async def _watch(state, stop: asyncio.Event, parent_pid: int) -> None:

@@ -129,3 +129,48 @@ def test_group_formation_times_out_with_a_clear_error():
     with pytest.raises(RuntimeError, match=rf"group 'g_timeout' at tcp://127.0.0.1:{port} \(rank 1/2, gloo\) "
                                            r"did not form within 2s"):
         init_weight_update_group("127.0.0.1", port, 1, 2, "g_timeout", "gloo", timeout_s=2)
+
+
+def test_update_lock_lets_a_waiting_writer_go_before_new_readers():
+    import asyncio
+
+    from rollout.reference_server.gate import ReadWriteLock
+
+    async def scenario():
+        lock, order, reader_in = ReadWriteLock(), [], asyncio.Event()
+
+        async def first_reader():
+            async with lock.reader():
+                reader_in.set()
+                await asyncio.sleep(0.05)
+                order.append("reader1")
+
+        async def writer():
+            await reader_in.wait()
+            async with lock.writer():
+                order.append("writer")
+
+        async def late_reader():   # arrives while the writer waits: must queue behind it
+            await reader_in.wait()
+            await asyncio.sleep(0.01)
+            async with lock.reader():
+                order.append("reader2")
+        await asyncio.gather(first_reader(), writer(), late_reader())
+        return order, lock.locked
+
+    order, locked = asyncio.run(scenario())
+    assert order == ["reader1", "writer", "reader2"] and not locked
+
+
+def test_serve_options_name_the_bad_flag_or_variable(tiny_model_dir, monkeypatch):
+    from rollout.reference_server.server import ServeOptions, check_options
+
+    with pytest.raises(ValueError, match=r"--tp 0 < 1"):
+        check_options(ServeOptions(model=str(tiny_model_dir), tp=0))
+    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "2.5")
+    with pytest.raises(ValueError, match="SGLANG_HEALTH_CHECK_TIMEOUT='2.5' is not an integer"):
+        check_options(ServeOptions(model=str(tiny_model_dir)))
+    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "2")
+    monkeypatch.setenv("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "maybe")
+    with pytest.raises(ValueError, match="SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION='maybe' is not a boolean"):
+        check_options(ServeOptions(model=str(tiny_model_dir)))
