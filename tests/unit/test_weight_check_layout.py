@@ -193,3 +193,23 @@ def test_sglang_homes_follow_its_stacked_and_expert_mappings():
     assert "model.layers.0.mlp.gate_up_proj.weight" in sglang_homes("model.layers.0.mlp.gate_proj.weight")
     assert f"{P}.w2_weight" in sglang_homes("model.layers.0.mlp.shared_experts.down_proj.weight")
     assert sglang_homes("lm_head.weight") == ("lm_head.weight", "model.embed_tokens.weight")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
+def test_served_transformers5_model_matches_its_hf_checkpoint(arch, tmp_path):
+    """The reference server's checksum map of a freshly loaded model (GLM-4.5: dense first layer, shared
+    experts, the router bias as a buffer) equals the trainer's checksums of the same HF tensors."""
+    import transformers
+
+    from checkpoints.hf_io import HFCheckpoint
+    from checkpoints.init_model import init_model
+    from rollout.reference_server.weights_checker import model_checksums
+
+    model_dir = init_model(tmp_path / arch, arch=arch, preset="tiny", seed=0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    sums = model_checksums(model)
+    named = list(HFCheckpoint(model_dir).items())
+    [result] = _check([_engine("ref", [sums])], named)
+    assert result.compared == len(sums) and not any("inv_freq" in n for n in sums)
+    if arch == "glm4_moe":
+        assert {"model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.0.mlp.gate_proj.weight"} <= set(sums)
