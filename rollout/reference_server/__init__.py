@@ -8,8 +8,12 @@ Start one from Python (tests, `sao train`)::
     server.stop()
 
 or from a shell: ``sao serve --model DIR --host 127.0.0.1 --port P --api-key K``.
-Modules: server (process entry), app (routes), protocol (JSON), scheduler (batching), model_runner
-(forward + KV + routes), sampling, weights (HF names), weight_group (broadcast receive).
+Modules: server (process entry, flags), state (what handlers share), app (route table, pause,
+flush, /model_info), generation (/generate), health (/health*, warmup), gate (pause flag and
+model-update lock), weight_updates (sessions, groups, updates), weights_checker, protocol (JSON),
+scheduler (batching), model_runner (forward + KV + routes), sampling, weights (HF names),
+weight_group (broadcast receive), tp_ranks (`--tp` ranks on the update group), http_io.
+docs/engines.md lists the SGLang 0.5.23 behaviours it reproduces, with their source paths.
 """
 from __future__ import annotations
 
