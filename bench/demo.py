@@ -71,7 +71,7 @@ def from_run(run_dir: Path, out_dir: Path) -> dict:
     import json
     import shutil
 
-    from sao_megatron.cli.bench import machine
+    from bench.runner import machine
 
     metrics = run_dir / "metrics.jsonl"
     rows = [r for r in (json.loads(line) for line in metrics.read_text().splitlines() if line) if r.get("step", 0) > 0]
@@ -84,8 +84,8 @@ def from_run(run_dir: Path, out_dir: Path) -> dict:
     result = {**summary, "recipe": str(TINY.relative_to(TINY.parents[1])), "summary": _summary_text(summary),
               "bench": "demo", "quick": False, "full": False, "machine": machine(), "wall_s": summary["steps_wall_s"],
               "command": "make demo",
-              "note": f"summarised from the finished run's metrics.jsonl by python -m bench.demo --from-run; "
-                      f"machine = the machine that summarised it; wall_s = the steps only (no start-up)"}
+              "note": "summarised from the finished run's metrics.jsonl by python -m bench.demo --from-run; "
+                      "machine = the machine that summarised it; wall_s = the steps only (no start-up)"}
     (out_dir / "demo.json").write_text(json.dumps(result, indent=2, default=float))
     return result
 

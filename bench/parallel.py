@@ -59,10 +59,10 @@ def _storage_bytes(tensors) -> int:
 
 def state_bytes(model) -> dict:
     """Parameters, main grads and optimizer state this rank holds (RLModel after one step)."""
-    from parallel.optimizer import _sub_optimizers
+    from parallel.optimizer import sub_optimizers
 
     params = [p for m in model.modules for p in m.parameters()]
-    states = [t for sub in _sub_optimizers(model.optimizer) for s in sub.optimizer.state.values()
+    states = [t for sub in sub_optimizers(model.optimizer) for s in sub.optimizer.state.values()
               for t in s.values() if hasattr(t, "untyped_storage")]
     weights = _storage_bytes(params)
     grads = _storage_bytes([getattr(p, "main_grad", None) for p in params])

@@ -11,19 +11,24 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from bench import REPO
+
 TINY = REPO / "recipes" / "tiny_moe_cpu.toml"
 
 
 def train_run(name: str, overrides: list[str], out_root: Path, timeout_s: float = 3600.0) -> list[dict]:
-    """One `sao train` run; returns its metrics.jsonl rows. Raises with the log tail on failure."""
+    """One `sao train` run; returns its metrics.jsonl rows. Raises with the log tail on failure.
+
+    Every path the run gets is absolute and the subprocess runs inside `out_root`, so the benchmark
+    works from any directory and whatever the run writes relative to its cwd stays with its outputs."""
+    out_root = Path(out_root).resolve()
     out_root.mkdir(parents=True, exist_ok=True)
     log = out_root / f"{name}.log"
     cmd = [sys.executable, "-m", "sao_megatron.cli.main", "train", str(TINY), f"run.name='{name}'",
            f"run.output_dir='{out_root}'", "logging.wandb=false", "logging.console=false", "logging.plot=false",
            "checkpoint.interval=0", "checkpoint.resume='never'", f"model.path='{out_root / 'model'}'", *overrides]
     with log.open("w") as fh:
-        proc = subprocess.run(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s)
+        proc = subprocess.run(cmd, cwd=out_root, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s)
     if proc.returncode != 0:
         tail = "\n".join(log.read_text().splitlines()[-20:])
         raise RuntimeError(f"training run {name} failed (exit {proc.returncode}); log {log}:\n{tail}")

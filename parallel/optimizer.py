@@ -3,7 +3,8 @@
 Each RLModel (policy, critic) owns its own optimizer and learning rate. Megatron splits parameters
 into dense and expert optimizers (different grad-stat groups) chained together; the grad norm is
 the global L2 norm over both. The distributed optimizer is available (parallel.distributed_optimizer)
-but its checkpoint state does not work on CPU (notes/megatron-cpu.md), so it is meant for GPUs; so is
+but its checkpoint state does not work on CPU (Megatron-Core 0.16.1 there: flattened_range sharding is
+unsupported and the restored step counter is wrong), so it is meant for GPUs; so is
 optimizer CPU offload (parallel.optimizer_offload: Megatron's HybridDeviceOptimizer keeps Adam state and
 fp32 master weights on the host and steps them with CPU Adam; it cannot run on a CPU-only torch,
 where it is refused in one line).
@@ -56,22 +57,23 @@ def build_optimizer(ddp_chunks: list[torch.nn.Module], settings: OptimSettings):
     return get_megatron_optimizer(config, ddp_chunks)
 
 
-def _sub_optimizers(opt) -> list:
+def sub_optimizers(opt) -> list:
+    """The Megatron optimizers inside `opt`: a ChainedOptimizer's parts (dense and expert), else `opt` itself."""
     return list(getattr(opt, "chained_optimizers", [opt]))
 
 
 def optimizer_params(opt) -> list[torch.nn.Parameter]:
-    return [p for sub in _sub_optimizers(opt) for p in sub.get_parameters()]
+    return [p for sub in sub_optimizers(opt) for p in sub.get_parameters()]
 
 
 def set_lr(opt, lr: float) -> None:
-    for sub in _sub_optimizers(opt):
+    for sub in sub_optimizers(opt):
         for group in sub.param_groups:
             group["lr"] = lr
 
 
 def current_lr(opt) -> float:
-    return float(_sub_optimizers(opt)[0].param_groups[0]["lr"])
+    return float(sub_optimizers(opt)[0].param_groups[0]["lr"])
 
 
 @torch.no_grad()

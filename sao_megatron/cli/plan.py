@@ -96,7 +96,7 @@ def render_plan(plan, model_name: str) -> str:
 
 
 def render_engine(plan) -> str:
-    eng, opts, inp = plan.engine, plan.inp.engine, plan.inp
+    eng, opts = plan.engine, plan.inp.engine
     return (f"engine x{plan.engines} (tp {opts.tp}, ep {opts.ep}, dp-attention {opts.dp_attention or 'off'}, "
             f"{'fp8' if opts.fp8_weights else 'bf16'} weights, {opts.kv_dtype} KV): weights {gib(eng.weights)} GiB/GPU, "
             f"KV pool {gib(max(eng.kv_pool, 0))} GiB/GPU at {eng.kv_bytes_per_token / 1024:.1f} KiB/token -> "

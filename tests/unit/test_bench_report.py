@@ -4,13 +4,12 @@ recovery count on hand-made reward curves."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
-
 import pytest
 
+from bench import REPO
 from bench.online import recovery_per_switch
-from bench.report import REPO, render, report_path
-from sao_megatron.cli.bench import BENCHES
+from bench.registry import BENCHMARKS, RUN_ORDER
+from bench.report import render, report_path
 
 PIPELINE = {"bench": "pipeline", "quick": False, "full": False, "wall_s": 37.4, "command": "sao bench pipeline",
             "machine": {"platform": "Linux", "python": "3.11.7", "cpus": 2, "accelerator": None},
@@ -21,8 +20,19 @@ PIPELINE = {"bench": "pipeline", "quick": False, "full": False, "wall_s": 37.4, 
 def test_missing_results_are_reported_as_not_measured(tmp_path):
     text = render(tmp_path, tmp_path / "results.md")
     assert text.startswith("# Results\n")
-    for name in BENCHES:
+    for name in RUN_ORDER:
         assert f"`sao bench {name}`)\n\nNot measured: there is no `{name}.json`" in text
+
+
+def test_the_registry_lists_each_benchmark_once_with_a_module_that_runs_it():
+    import importlib
+    import inspect
+
+    names = [b.name for b in BENCHMARKS]
+    assert len(set(names)) == len(names) and sorted(RUN_ORDER) == sorted(names)
+    for name in names:
+        run = importlib.import_module(f"bench.{name}").run
+        assert "quick" in inspect.signature(run).parameters, name
 
 
 def test_numbers_and_notes_come_from_the_json(tmp_path):
@@ -75,29 +85,29 @@ def _signals(final, drop, entropy=0.5):
 
 
 def test_stability_verdict_says_what_the_signals_show():
-    from bench.report import _stability_verdict
+    from bench.report_learning import stability_verdict
 
-    steady = _stability_verdict({"results": {"sao": _signals(0.14, 0.03, 0.01), "grpo": _signals(0.18, 0.17)}})
+    steady = stability_verdict({"results": {"sao": _signals(0.14, 0.03, 0.01), "grpo": _signals(0.18, 0.17)}})
     assert "SAO's drop is the smallest (0.030)" in steady
     assert "grpo (0.180) ends above SAO (0.140)" in steady            # gap 0.04 > SAO's own swing 0.03
     assert "neither confirms nor refutes" not in steady               # grpo dropped more than twice SAO's drop
     assert "stable, but not improving" in steady                      # SAO's entropy collapsed
-    close = _stability_verdict({"results": {"sao": _signals(0.14, 0.03), "grpo": _signals(0.16, 0.17)}})
+    close = stability_verdict({"results": {"sao": _signals(0.14, 0.03), "grpo": _signals(0.16, 0.17)}})
     assert "ends above" not in close and "not improving" not in close
-    small = _stability_verdict({"results": {"sao": _signals(0.14, 0.06), "grpo": _signals(0.16, 0.08)}})
+    small = stability_verdict({"results": {"sao": _signals(0.14, 0.06), "grpo": _signals(0.16, 0.08)}})
     assert "every other drop (grpo 0.080) is within twice SAO's" in small and "neither confirms nor refutes" in small
-    worse = _stability_verdict({"results": {"sao": _signals(0.1, 0.2), "grpo": _signals(0.2, 0.05)}})
+    worse = stability_verdict({"results": {"sao": _signals(0.1, 0.2), "grpo": _signals(0.2, 0.05)}})
     assert "SAO's drop is not the smallest (grpo's is)" in worse
     assert "These are" not in worse                                   # 1000 steps: the paper's length
 
 
 def test_online_phase_levels_average_each_phase_over_seeds():
-    from bench.report import _phase_levels
+    from bench.report_learning import phase_levels
 
     table = {"sao": {"switches": [{"from": "digits", "before": 0.9}, {"from": "digits", "before": 0.7},
                                   {"from": "capitals", "before": 0.5}]},
              "grpo": {"switches": [{"from": "digits", "before": 0.4}]}}
-    assert _phase_levels(table) == {"digits": {"sao": pytest.approx(0.8), "grpo": 0.4},
+    assert phase_levels(table) == {"digits": {"sao": pytest.approx(0.8), "grpo": 0.4},
                                     "capitals": {"sao": 0.5}}
 
 
@@ -111,12 +121,12 @@ def _memory(peak_ratio: float, allocated: bool = True) -> dict:
 
 
 def test_parallel_memory_verdict_holds_the_allocated_peak_to_the_target_and_lists_rss():
-    from bench.report import _parallel_memory
+    from bench.report_systems import parallel_memory
 
-    met = _parallel_memory(_memory(1.04))
+    met = parallel_memory(_memory(1.04))
     assert "Peak allocated (state + tensors alive at the forward/backward peak): 2 of 2 layouts within" in met
     assert "peak RSS is 1.50-1.50x" in met and "not met" not in met
     assert "| single | peak (allocated) | 100.00 | 104.00 | 1.04 |" in met
-    assert "The peak part of the target is not met" in _parallel_memory(_memory(1.30))
-    old = _parallel_memory(_memory(0, allocated=False))      # a file from before the allocated peak
+    assert "The peak part of the target is not met" in parallel_memory(_memory(1.30))
+    old = parallel_memory(_memory(0, allocated=False))      # a file from before the allocated peak
     assert "Peak allocated: not measured in this file" in old and "| single | peak (RSS) |" in old
