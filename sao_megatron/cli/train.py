@@ -1,9 +1,27 @@
-"""`sao train RECIPE.toml [section.key=value ...]`: validate the recipe, then run the RL loop."""
+"""`sao train RECIPE.toml [section.key=value ...]`: validate the recipe, then run the RL loop.
+`sao train --help-recipe` lists every recipe field (type, default, range, doc) and exits."""
 from __future__ import annotations
+
+import argparse
+
+
+class _HelpRecipe(argparse.Action):
+    """Print the recipe reference and exit, like --help (so no recipe argument is needed)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from sao_megatron.config.recipe_help import recipe_help
+
+        print(recipe_help(), end="")
+        parser.exit()
 
 
 def register(sub) -> None:
     parser = sub.add_parser("train", help="Train a policy with SAO or a baseline from a recipe")
+    parser.add_argument("--help-recipe", action=_HelpRecipe,
+                        help="list every recipe field with its type, default, range and doc, then exit")
     parser.add_argument("recipe", help="recipe TOML file (see recipes/)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm.lr=1e-6 rollout.batch_size=8")
     parser.add_argument("--debug", choices=["rollout-only", "train-only"], default=None,

@@ -1,6 +1,7 @@
 """Typed recipe sections. Imports nothing but the standard library (no torch, no Megatron).
 
-Every field carries its documentation in ``metadata["doc"]`` (shown by ``sao train --help-recipe``).
+Every field carries its documentation in ``metadata["doc"]`` and, where check() limits it, its
+accepted values in ``metadata["bounds"]`` (both shown by ``sao train --help-recipe``).
 Each section checks its own ranges in ``check()``; checks that span sections live on ``Recipe``.
 """
 from __future__ import annotations
@@ -12,11 +13,14 @@ from typing import Literal, Optional
 from .errors import ConfigError
 
 
-def doc(default, text: str):
-    """A dataclass field with a default and a docstring."""
+def doc(default, text: str, bounds: str = ""):
+    """A dataclass field with a default, a docstring and the values check() accepts, shown by
+    --help-recipe: ``bounds`` is ">= 1", "> 0", or an interval such as "[0, 1]" or "(0, 1]" (None,
+    where the type allows it, means unset). tests/unit/test_recipe_help.py holds check() to it."""
+    meta = {"doc": text, "bounds": bounds} if bounds else {"doc": text}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"doc": text})
-    return field(default=default, metadata={"doc": text})
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 def _require(cond: bool, name: str, problem: str, fix: str) -> None:
@@ -29,7 +33,7 @@ class RunConfig:
     name: str = doc("sao-run", "Run name; the run directory is <output_dir>/<name>.")
     output_dir: str = doc("runs", "Parent directory of run directories.")
     seed: int = doc(1234, "Global seed for sampling, data order and initialisation.")
-    num_steps: int = doc(100, "Optimizer steps of the policy (critic warm-up steps not included).")
+    num_steps: int = doc(100, "Optimizer steps of the policy (critic warm-up steps not included).", bounds=">= 0")
     debug: Literal["none", "rollout-only", "train-only"] = doc(
         "none", "rollout-only saves rollouts without training; train-only trains from debug_dir.")
     debug_dir: str = doc("", "Saved rollouts to train from (debug = train-only).")
@@ -50,7 +54,7 @@ class ModelConfig:
     shape_preset: str = doc("", "Named architecture shapes (parallel/model_shapes.py) used by `sao plan` and "
                                 "`sao launch` when model.path is not on this machine.")
     dtype: Literal["fp32", "bf16"] = doc("fp32", "Parameter dtype of the trainer (fp32 on CPU).")
-    max_seq_len: int = doc(512, "Longest prompt + response the trainer accepts.")
+    max_seq_len: int = doc(512, "Longest prompt + response the trainer accepts.", bounds=">= 1")
     fp8: Literal["none", "delayed", "tensorwise", "blockwise", "mxfp8"] = doc(
         "none", "FP8 recipe through Transformer Engine (GPU only).")
     transformer_impl: Literal["auto", "local", "transformer_engine"] = doc(
@@ -65,16 +69,16 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    tp: int = doc(1, "Tensor parallel size.")
-    pp: int = doc(1, "Pipeline parallel size.")
-    vpp: int = doc(1, "Virtual pipeline stages per pipeline rank (interleaved 1F1B).")
-    ep: int = doc(1, "Expert parallel size.")
-    etp: int = doc(0, "Expert tensor parallel size; 0 = same as tp (leave it unless you mean it).")
-    cp: int = doc(1, "Context parallel size.")
-    dp: int = doc(0, "Data parallel size; 0 = world_size / (tp*pp*cp).")
-    world_size: int = doc(0, "Trainer ranks; 0 = tp*pp*cp*max(dp,1).")
+    tp: int = doc(1, "Tensor parallel size.", bounds=">= 1")
+    pp: int = doc(1, "Pipeline parallel size.", bounds=">= 1")
+    vpp: int = doc(1, "Virtual pipeline stages per pipeline rank (interleaved 1F1B).", bounds=">= 1")
+    ep: int = doc(1, "Expert parallel size.", bounds=">= 1")
+    etp: int = doc(0, "Expert tensor parallel size; 0 = same as tp (leave it unless you mean it).", bounds=">= 0")
+    cp: int = doc(1, "Context parallel size.", bounds=">= 1")
+    dp: int = doc(0, "Data parallel size; 0 = world_size / (tp*pp*cp).", bounds=">= 0")
+    world_size: int = doc(0, "Trainer ranks; 0 = tp*pp*cp*max(dp,1).", bounds=">= 0")
     sequence_parallel: bool = doc(True, "Sequence parallel under TP (forced on for MoE with tp > 1).")
-    micro_batch_tokens: int = doc(4096, "Token budget of one packed micro-batch.")
+    micro_batch_tokens: int = doc(4096, "Token budget of one packed micro-batch.", bounds=">= 16")
     dispatcher: Literal["alltoall", "allgather"] = doc("alltoall", "MoE token dispatcher.")
     distributed_optimizer: bool = doc(False, "Megatron distributed optimizer (GPU).")
     optimizer_offload: bool = doc(False, "Adam state and fp32 master weights on the host, updated by CPU Adam "
@@ -109,31 +113,34 @@ class RolloutConfig:
     engine_urls: list = doc([], "URLs of running engines; empty = start num_engines engines locally.")
     num_engines: int = doc(1, "Engines to start when engine_urls is empty.")
     host: str = doc("127.0.0.1", "Host the started engines bind to.")
-    port: int = doc(0, "First engine port; 0 = pick free ports.")
+    port: int = doc(0, "First engine port; 0 = pick free ports.", bounds="[0, 65535]")
     api_key: str = doc("", "API key the engines require ('' = generate one per run).")
     engine_tp: int = doc(1, "Tensor-parallel ranks per engine (SGLang --tp-size, reference server --tp); each rank "
-                            "joins the weight-update group, so with engine_urls it must equal the engines' own tp.")
+                            "joins the weight-update group, so with engine_urls it must equal the engines' own tp.",
+                            bounds=">= 1")
     engine_ep: int = doc(1, "SGLang: expert parallel size per engine.")
     engine_dp_attention: int = doc(0, "SGLang: dp-attention size (0 = off).")
     mem_fraction: float = doc(0.7, "SGLang: --mem-fraction-static.")
     engine_fp8: bool = doc(False, "SGLang: serve FP8 weights (--quantization fp8).")
     mode: Literal["single", "group"] = doc("single", "single: one rollout per prompt (SAO); group: n per prompt.")
-    n_samples_per_prompt: int = doc(1, "Rollouts per prompt in group mode.")
-    batch_size: int = doc(16, "Samples per policy step (SAO paper: 128).")
-    max_in_flight: int = doc(32, "Requests kept in flight across all engines.")
-    temperature: float = doc(1.0, "Sampling temperature (> 0; RL needs a stochastic policy).")
-    top_p: float = doc(1.0, "Nucleus sampling p in (0, 1].")
+    n_samples_per_prompt: int = doc(1, "Rollouts per prompt in group mode.", bounds=">= 1")
+    batch_size: int = doc(16, "Samples per policy step (SAO paper: 128).", bounds=">= 1")
+    max_in_flight: int = doc(32, "Requests kept in flight across all engines.", bounds=">= 1")
+    temperature: float = doc(1.0, "Sampling temperature (> 0; RL needs a stochastic policy).", bounds="> 0")
+    top_p: float = doc(1.0, "Nucleus sampling p in (0, 1].", bounds="(0, 1]")
     top_k: int = doc(-1, "Top-k sampling; -1 = off.")
-    max_new_tokens: int = doc(64, "Response token budget per turn.")
+    max_new_tokens: int = doc(64, "Response token budget per turn.", bounds=">= 1")
     max_prompt_len: int = doc(256, "Prompts longer than this are rejected by policy bad_row.")
-    staleness_bound: int = doc(4, "Drop/regenerate samples whose oldest token is more than tau versions old.")
+    staleness_bound: int = doc(4, "Drop/regenerate samples whose oldest token is more than tau versions old.",
+                               bounds=">= 0")
     stale_policy: Literal["drop", "regenerate"] = doc("drop", "What to do with a sample over the staleness bound.")
     update_mode: Literal["in_place", "retract", "abort"] = doc(
         "in_place", "What in-flight requests do during a weight update (SGLang pause mode).")
-    request_timeout_s: float = doc(600.0, "Timeout of one generate call.")
+    request_timeout_s: float = doc(600.0, "Timeout of one generate call.", bounds="> 0")
     task: str = doc("countdown", "Built-in task (countdown, arithmetic, copy, digits, online) or '' to use dataset.")
     dataset: str = doc("", "Prompt file (jsonl or parquet) with a 'prompt' field (and 'answer').")
-    env_switch_every: int = doc(50, "Task 'online': the rewarded rule switches every this many trainer steps.")
+    env_switch_every: int = doc(50, "Task 'online': the rewarded rule switches every this many trainer steps.",
+                                bounds=">= 1")
     bad_row: Literal["skip", "fail"] = doc("skip", "A malformed dataset row is reported and skipped, or fails the run.")
     reward_fn: str = doc("", "Reward function import path 'pkg.mod:fn'; '' = the task's own.")
     reward_timeout_s: float = doc(10.0, "Timeout of one reward call; a timeout marks the sample failed.")
@@ -160,21 +167,26 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: str = doc("sao", "Preset: sao, grpo, grpo_dis, gspo, gspo_token, dapo, drgrpo, rloo, reinforce_pp, ppo.")
+    name: str = doc("sao", "Preset: sao, grpo, grpo_dis, gspo, gspo_token, dapo, drgrpo, rloo, reinforce_pp, "
+                                "running_mean, ppo.")
     loss: str = doc("", "Policy loss (dis, ppo, gspo, gspo_token, cispo) or 'pkg.mod:fn'; '' = preset's.")
-    advantage: str = doc("", "Advantage estimator (gae, grpo, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline).")
-    eps_low: Optional[float] = doc(None, "Lower band/clip: ratio must exceed 1 - eps_low.")
-    eps_high: Optional[float] = doc(None, "Upper band/clip: ratio must stay below 1 + eps_high. Never defaults to eps_low.")
-    dual_clip: Optional[float] = doc(None, "PPO dual-clip constant c > 1 (None = off).")
+    advantage: str = doc("", "Advantage estimator (gae, grpo, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline, "
+                             "running_mean).")
+    eps_low: Optional[float] = doc(None, "Lower band/clip: ratio must exceed 1 - eps_low.", bounds="> 0")
+    eps_high: Optional[float] = doc(None, "Upper band/clip: ratio must stay below 1 + eps_high. Never defaults to eps_low.",
+                                    bounds="> 0")
+    dual_clip: Optional[float] = doc(None, "PPO dual-clip constant c > 1 (None = off).", bounds="> 1")
     normalize_over: Literal["all", "kept"] = doc(
         "all", "DIS normaliser: all action tokens (default) or only tokens inside the band.")
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = doc(
         "token-mean", "Loss aggregation, normalised by global counts across micro-batches and DP ranks.")
-    gamma: float = doc(1.0, "Discount.")
-    lambda_actor: Optional[float] = doc(None, "Policy GAE lambda; None = length-adaptive 1 - 1/(alpha*l).")
-    lambda_critic: float = doc(1.0, "Critic target lambda (SAO: 1.0, Monte-Carlo returns).")
-    alpha: float = doc(1.5, "Length-adaptive lambda constant.")
-    baseline_momentum: float = doc(0.9, "Running-mean baseline: b <- m*b + (1-m)*mean(r) (advantage running_mean).")
+    gamma: float = doc(1.0, "Discount.", bounds="[0, 1]")
+    lambda_actor: Optional[float] = doc(None, "Policy GAE lambda; None = length-adaptive 1 - 1/(alpha*l).",
+                                        bounds="[0, 1]")
+    lambda_critic: float = doc(1.0, "Critic target lambda (SAO: 1.0, Monte-Carlo returns).", bounds="[0, 1]")
+    alpha: float = doc(1.5, "Length-adaptive lambda constant.", bounds="> 0")
+    baseline_momentum: float = doc(0.9, "Running-mean baseline: b <- m*b + (1-m)*mean(r) (advantage running_mean).",
+                                   bounds="[0, 1)")
     kl_coef: float = doc(0.0, "KL penalty coefficient against the reference policy (SAO: 0).")
     kl_estimator: Literal["k1", "k2", "k3"] = doc("k3", "KL estimator.")
     entropy_coef: float = doc(0.0, "Entropy bonus (SAO: 0).")
@@ -185,12 +197,12 @@ class AlgorithmConfig:
     dynamic_sampling: bool = doc(False, "Group mode: drop groups whose rewards are all equal.")
     overlong_max: int = doc(0, "DAPO overlong shaping L_max (0 = off).")
     overlong_cache: int = doc(0, "DAPO overlong shaping L_cache.")
-    lr: float = doc(1e-6, "Policy learning rate (SAO: 1e-6 constant).")
+    lr: float = doc(1e-6, "Policy learning rate (SAO: 1e-6 constant).", bounds="> 0")
     weight_decay: float = doc(0.0, "AdamW weight decay.")
     adam_beta1: float = doc(0.9, "Adam beta1.")
     adam_beta2: float = doc(0.999, "Adam beta2.")
     grad_clip: float = doc(1.0, "Max global grad norm (0 = off).")
-    mini_batches: int = doc(1, "Optimizer steps per rollout batch (GSPO: 4).")
+    mini_batches: int = doc(1, "Optimizer steps per rollout batch (GSPO: 4).", bounds=">= 1")
 
     def check(self, p: str) -> None:
         for name in ("eps_low", "eps_high"):
@@ -216,13 +228,13 @@ class AlgorithmConfig:
 @dataclass
 class CriticConfig:
     enabled: bool = doc(True, "Train a value model (SAO). Group baselines need none.")
-    lr: float = doc(5e-6, "Critic learning rate (SAO: 5e-6).")
-    updates_per_step: int = doc(2, "Critic updates per policy update (SAO two-timescale: K = 2).")
-    warmup_steps: int = doc(10, "Critic-only steps before the first policy update.")
+    lr: float = doc(5e-6, "Critic learning rate (SAO: 5e-6).", bounds="> 0")
+    updates_per_step: int = doc(2, "Critic updates per policy update (SAO two-timescale: K = 2).", bounds=">= 1")
+    warmup_steps: int = doc(10, "Critic-only steps before the first policy update.", bounds=">= 0")
     freeze_attention: bool = doc(True, "Train only MoE/expert projections, norms and the value head.")
     init_from_policy: bool = doc(True, "Initialise the critic backbone from the policy weights.")
     value_clip: Optional[float] = doc(None, "Value clipping range (None = plain masked MSE).")
-    pretrain_steps: int = doc(0, "Value pretraining steps on the initial policy before training.")
+    pretrain_steps: int = doc(0, "Value pretraining steps on the initial policy before training.", bounds=">= 0")
     placement: Literal["shared", "swap"] = doc(
         "shared", "shared: policy and critic both stay in device memory; swap: they take turns, the idle one "
         "parked in host memory (weights, grads, optimizer state; parallel/offload.py).")
@@ -238,9 +250,9 @@ class CriticConfig:
 class WeightSyncConfig:
     method: Literal["broadcast", "disk"] = doc("broadcast", "Broadcast over a process group, or HF shards on disk.")
     backend: Literal["auto", "gloo", "nccl"] = doc("auto", "Collective backend: auto = nccl with CUDA, else gloo.")
-    bucket_mb: float = doc(64.0, "Flattened bucket size in MiB.")
+    bucket_mb: float = doc(64.0, "Flattened bucket size in MiB.", bounds="> 0")
     pause_mode: Literal["in_place", "retract", "abort"] = doc("in_place", "Engine pause mode during a sync.")
-    timeout_s: float = doc(120.0, "Timeout of every step of a sync; a dead engine is named within it.")
+    timeout_s: float = doc(120.0, "Timeout of every step of a sync; a dead engine is named within it.", bounds="> 0")
     check_equal: bool = doc(False, "After each sync compare engine tensors against the trainer's (slow).")
     disk_dir: str = doc("", "Directory for the disk method ('' = <run_dir>/weights).")
     senders: Literal["per_stage", "driver"] = doc(
@@ -254,8 +266,8 @@ class WeightSyncConfig:
 
 @dataclass
 class CheckpointConfig:
-    interval: int = doc(0, "Save every N steps (0 = only at the end and on a signal).")
-    keep_last: int = doc(2, "Checkpoints kept.")
+    interval: int = doc(0, "Save every N steps (0 = only at the end and on a signal).", bounds=">= 0")
+    keep_last: int = doc(2, "Checkpoints kept.", bounds=">= 1")
     resume: str = doc("auto", "auto = latest in the run dir if any; never; or a checkpoint path.")
     save_on_signal: bool = doc(True, "SIGTERM/SIGUSR1 save at the next safe point, then exit cleanly.")
     format: Literal["distributed", "per_rank"] = doc(
@@ -281,12 +293,13 @@ class LoggingConfig:
 
 @dataclass
 class EvalConfig:
-    interval: int = doc(0, "Evaluate every N steps (0 = off).")
+    interval: int = doc(0, "Evaluate every N steps (0 = off).", bounds=">= 0")
     datasets: list = doc([], "Held-out sets: jsonl files with 'prompt' and 'answer', 'task:NAME', or an agentic "
                              "benchmark 'code_repair:FILE.jsonl' (docs/evaluation.md).")
-    k: int = doc(4, "Samples per problem for avg@k / pass@k.")
+    k: int = doc(4, "Samples per problem for avg@k / pass@k.", bounds=">= 1")
     max_problems: int = doc(0, "Evaluate at most this many problems per set (0 = all).")
-    max_turns: int = doc(8, "Agentic sets: model turns per episode (each up to rollout.max_new_tokens tokens).")
+    max_turns: int = doc(8, "Agentic sets: model turns per episode (each up to rollout.max_new_tokens tokens).",
+                         bounds=">= 1")
     max_episode_tokens: int = doc(2048, "Agentic sets: response tokens per episode, actions and tool outputs "
                                         "together; one tool output is cut to max_episode_tokens / max_turns.")
 
@@ -301,10 +314,10 @@ class EvalConfig:
 
 @dataclass
 class LaunchConfig:
-    nodes: int = doc(1, "Nodes in the allocation.")
+    nodes: int = doc(1, "Nodes in the allocation.", bounds=">= 1")
     trainer_nodes: int = doc(0, "Nodes for trainer ranks (0 = nodes - rollout_nodes).")
     rollout_nodes: int = doc(0, "Nodes for rollout engines (0 = colocated with the trainer).")
-    gpus_per_node: int = doc(8, "GPUs per node (0 on CPU).")
+    gpus_per_node: int = doc(8, "GPUs per node (0 on CPU).", bounds=">= 0")
     partition: str = doc("", "slurm partition.")
     account: str = doc("", "slurm account.")
     time_limit: str = doc("04:00:00", "slurm --time.")
