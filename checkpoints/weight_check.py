@@ -41,7 +41,6 @@ from rollout.weight_checksum import EngineChecksums, is_skipped, tensor_checksum
 from .weight_sync import run_all
 
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
-_FUSED = re.compile(r"^.+\.experts\.(gate_up_proj|down_proj)$")
 _SGLANG_MARKS = re.compile(r"(\.qkv_proj\.weight|\.gate_up_proj\.weight|\.experts\.w13_weight|\.experts\.w2_weight"
                            r"|\.fused_qkv_a_proj_with_mqa\.weight)$")
 _REPLICATED = re.compile(r"^(model\.norm\.weight|.+\.(input_layernorm|post_attention_layernorm)\.weight"
