@@ -53,8 +53,8 @@ def field_default(f: dataclasses.Field):
 
 def preset_fields(section: str) -> list[str]:
     """Keys of `section` that some algorithm.name preset fills when the recipe leaves them out."""
-    keys = {dotted.split(".")[1] for preset in PRESETS.values() for dotted in preset if dotted.startswith(section + ".")}
-    return sorted(keys)
+    prefix = section + "."
+    return sorted({dotted[len(prefix):] for preset in PRESETS.values() for dotted in preset if dotted.startswith(prefix)})
 
 
 def section_help(section: str, cls, width: int = 100) -> str:
