@@ -172,3 +172,46 @@ def test_retry_succeeds_when_server_comes_up():
         return version
 
     assert asyncio.run(main()) == 11 and calls == [1]
+
+
+def test_route_shape_comes_from_config_json(tiny_model_dir, tmp_path):
+    from rollout.sglang_client import route_shape_from_config
+
+    assert route_shape_from_config(tiny_model_dir) == {"moe_topk": 2, "num_layers": 4}
+    (tmp_path / "config.json").write_text('{"text_config": {"num_hidden_layers": 3}}')   # dense
+    assert route_shape_from_config(tmp_path) == {"moe_topk": None, "num_layers": None}
+    with pytest.raises(ValueError, match=r"missing/config.json.*fix: point model.path"):
+        route_shape_from_config(tmp_path / "missing")
+
+
+def test_session_routes_namespace_and_routes_without_topk():
+    """begin/end_weight_update bodies; extra_key sent only with a namespace; routes in a reply with no
+    moe_topk fail naming the fix (SGLang never reports it) instead of asking /model_info."""
+    bodies = []
+
+    async def record(request):
+        bodies.append((request.path, await request.json()))
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def generate(request):
+        bodies.append((request.path, await request.json()))
+        return web.json_response(reply())
+
+    async def main():
+        runner, url = await _serve({("POST", "/begin_weight_update"): record, ("POST", "/end_weight_update"): record,
+                                    ("POST", "/generate"): generate})
+        engine = SGLangEngine(url, name="e9")
+        await engine.begin_weight_update()
+        await engine.end_weight_update()
+        with pytest.raises(EngineError, match="engine e9: cannot decode routed experts: moe_topk unknown"):
+            await engine.generate(REQ)
+        engine.moe_topk, engine.num_layers, engine.cache_namespace = 2, 3, "sao-w2"
+        result = await engine.generate(REQ)
+        await engine.close()
+        await runner.cleanup()
+        return result
+
+    result = asyncio.run(main())
+    assert bodies[:2] == [("/begin_weight_update", {"selector": "all"}), ("/end_weight_update", {})]
+    assert "extra_key" not in bodies[2][1] and bodies[3][1]["extra_key"] == "sao-w2"
+    assert result.routed_experts.shape == (4, 3, 2)
