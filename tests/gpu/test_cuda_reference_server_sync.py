@@ -2,7 +2,8 @@
 
 A Megatron trainer rank on cuda:0 takes one optimizer step, export_hf() streams its HF tensors, and
 BroadcastWeightSync sends them to `python -m rollout.reference_server --device cuda...`; then
-- the server holds the trainer's tensors bit for bit (check_weight_update_equal, all 135);
+- the server holds the trainer's tensors bit for bit (check_weight_update_equal: /weights_checker
+  checksums of the server's 47 tensors, experts fused, hashed as SGLang hashes CUDA tensors);
 - the server's logprobs of a sampled continuation equal the trainer's on the same tokens (fp32 on
   both GPUs' kernels: mean |delta| < 1e-4), at the new weight version.
 
@@ -37,7 +38,8 @@ def _batch(tokens: list[int]):
 
 async def sync_and_sample(named, url: str, backend: str):
     """Push `named` to the server at `url`, check every tensor, then sample a continuation of PROMPT."""
-    from checkpoints.weight_sync import BroadcastWeightSync, check_weight_update_equal
+    from checkpoints.weight_check import check_weight_update_equal
+    from checkpoints.weight_sync import BroadcastWeightSync
     from rollout.engine import GenerateRequest
     from rollout.sglang_client import SGLangEngine
     from sao_megatron.config import WeightSyncConfig
@@ -46,7 +48,7 @@ async def sync_and_sample(named, url: str, backend: str):
     try:
         sync = BroadcastWeightSync(WeightSyncConfig(backend=backend, bucket_mb=0.1, timeout_s=300), [engine])
         await sync.push(named, version=1)
-        checked = await check_weight_update_equal([engine], named)
+        checked = [c.compared for c in await check_weight_update_equal([engine], named)]
         result = await engine.generate(GenerateRequest(rid="after-sync", input_ids=PROMPT, max_new_tokens=10,
                                                        temperature=1.0, seed=11, return_routed_experts=False))
         await sync.close()
@@ -99,7 +101,7 @@ def outcome(request, tiny_model_dir):
 def test_trained_weights_arrive_bit_exact_on_the_cuda_server(outcome):
     assert outcome["device"] == "cuda" and f"on {outcome['server_device']})" in outcome["server_log"]
     assert outcome["changed"] > 1e-4           # the step moved the weights: the check is not vacuous
-    assert outcome["checked"] == 135 and outcome["version"] == 1
+    assert outcome["checked"] == [47] and outcome["version"] == 1
 
 
 def test_cuda_server_logprobs_equal_trainer_logprobs(outcome):
