@@ -183,7 +183,8 @@ def verdict(tests: dict[str, dict], dry_run: bool, timed_out: bool, code: int) -
         return False, "pytest ran past its budget and was killed; see gpu-pytest.log for the test it was in"
     absent = [n for n in REQUIRED if n not in tests]
     if absent:
-        return False, f"{len(absent)} required check(s) not collected: {absent[0]}" + (" ..." if len(absent) > 1 else "")
+        more = " ..." if len(absent) > 1 else ""
+        return False, f"{len(absent)} required check(s) not collected: {absent[0]}{more}"
     failed = [n for n, t in tests.items() if t["outcome"] == "failed"]
     if failed:
         return False, f"{len(failed)} failed: {failed[0]}" + (" ..." if len(failed) > 1 else "")
@@ -196,6 +197,16 @@ def verdict(tests: dict[str, dict], dry_run: bool, timed_out: bool, code: int) -
         return False, f"pytest exited with {code}; see gpu-pytest.log"
     done = sum(t["outcome"] == "passed" for t in tests.values())
     return True, f"all {len(REQUIRED)} required checks passed ({done} passed, {len(tests) - done} skipped)"
+
+
+def run_gpu_tests(args, env: dict, out: Path) -> tuple[dict[str, dict], int, bool]:
+    """`pytest -m gpu tests/gpu` (collect-only in a dry run): (outcomes by node id, exit code, timed out)."""
+    junit, log = out / "gpu-junit.xml", out / "gpu-pytest.log"
+    pytest_args = ["-m", "gpu", "tests/gpu", "-q", "-rA", f"--junitxml={junit}"]
+    if args.dry_run:
+        pytest_args = ["-m", "gpu", "tests/gpu", "-q", "--collect-only"]
+    code, timed_out = run_pytest(pytest_args + args.pytest_args, env, log, args.budget_s)
+    return (collected_nodes(log) if args.dry_run else junit_outcomes(junit)), code, timed_out
 
 
 def cmd_wheels(args) -> int:
@@ -230,15 +241,11 @@ def _run_in(site: Path, wheels: list[gw.Wheel], wheel_dir: Path, python_version:
     if not args.dry_run and not facts["cuda_available"]:
         raise RuntimeError("no CUDA GPU visible (torch.cuda.is_available() is False); run on a GPU machine, "
                            "or add --dry-run to check the kit here")
-    junit, log = out / "gpu-junit.xml", out / "gpu-pytest.log"
-    pytest_args = ["-m", "gpu", "tests/gpu", "-q", "-rA", f"--junitxml={junit}"]
-    if args.dry_run:
-        pytest_args = ["-m", "gpu", "tests/gpu", "-q", "--collect-only"]
-    code, timed_out = run_pytest(pytest_args + args.pytest_args, env, log, args.budget_s)
-    tests = collected_nodes(log) if args.dry_run else junit_outcomes(junit)
+    tests, code, timed_out = run_gpu_tests(args, env, out)
     ok, line = verdict(tests, args.dry_run, timed_out, code)
     summary = {"ok": ok, "verdict": line, "mode": "dry-run" if args.dry_run else "run", "env": facts,
-               "wheels": [w.file for w in wheels], "project_install": project_error or "ok", "seconds": round(time.monotonic() - start, 1),
+               "wheels": [w.file for w in wheels], "project_install": project_error or "ok",
+               "seconds": round(time.monotonic() - start, 1),
                "pytest_exit": code, "required": REQUIRED, "tests": tests}
     (out / "gpu-check.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"gpu-check: {'PASS' if ok else 'FAIL'}: {line} ({summary['seconds']}s; summary {out / 'gpu-check.json'})")

@@ -91,7 +91,8 @@ def test_wheelhouse_downloads_what_is_missing_prunes_the_rest_and_is_idempotent(
                                  python_version="3.12", run=_fake_pip({}, calls), say=said.append)
     assert calls == ["megatron-core==0.16.1", "tomli-w==1.2.0"]
     assert sorted(w.file for w in wheels) == sorted(p.name for p in tmp_path.glob("*.whl")) == [
-        "megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl", "tomli_w-1.2.0-cp312-cp312-manylinux_2_28_x86_64.whl"]
+        "megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl",
+        "tomli_w-1.2.0-cp312-cp312-manylinux_2_28_x86_64.whl"]
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["python_version"] == "3.12" and len(manifest["wheels"]) == 2
     again = []
@@ -165,7 +166,8 @@ def test_verdict_passes_only_when_every_required_check_passed():
     some = _tests("passed")
     some.pop(next(iter(some)))
     assert verdict(some, False, False, 0)[1].startswith("1 required check(s) not collected")
-    assert verdict(_tests("collected"), True, False, 0) == (True, "dry run: 8 GPU tests collected, the 8 required among them")
+    assert verdict(_tests("collected"), True, False, 0) == (
+        True, "dry run: 8 GPU tests collected, the 8 required among them")
 
 
 def test_junit_outcomes_name_tests_by_node_id(tmp_path):
