@@ -6,8 +6,8 @@
 `run` installs build/gpu_wheels with ``--no-index --no-deps`` and this project with ``--no-deps`` into
 a target directory, probes the imports and the GPU, runs ``pytest -m gpu tests/gpu`` within a time
 budget (7 minutes by default, so that the whole kit stays under 8 on one H200; not yet measured on
-one), and writes gpu-check.json (the verdict and
-every test's outcome), gpu-junit.xml and gpu-pytest.log under $OUT (else build/gpu_check). It passes
+one), and writes gpu-check.json (the verdict and every test's outcome), gpu-junit.xml and
+gpu-pytest.log under $OUT (else build/gpu_check). It passes
 only if no test failed and each of the kit's REQUIRED checks passed: a kit whose checks all skipped
 is a failure, not a pass. `--dry-run` needs no GPU: it installs the wheels for the device's Python
 into a scratch directory, probes, and collects the GPU tests without running them.
