@@ -52,13 +52,13 @@ def _broadcast_slices(flat: torch.Tensor, chunk: int, group) -> None:
 
 async def _raw(sync, engines, nbytes: int, chunk: int = 0) -> float:
     """Seconds for plain broadcasts of nbytes (in `chunk`-byte slices) on the sync's group, receivers done."""
-    from checkpoints.weight_sync import in_daemon_thread, run_all
+    from checkpoints.engine_calls import in_daemon_thread, payload_device, pinned, run_all
 
     chunk = chunk or nbytes
-    flat = torch.empty(nbytes, dtype=torch.uint8, device=sync.device)
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=payload_device(sync.backend))   # where push() sends from
     start = time.perf_counter()
     calls = {e.name: e.receive_raw(nbytes, chunk) for e in engines}
-    calls["sender"] = in_daemon_thread(_broadcast_slices, flat, chunk, sync.group)
+    calls["sender"] = in_daemon_thread(pinned, flat.device, _broadcast_slices, flat, chunk, sync.group)
     await run_all(calls, "raw broadcast", sync.cfg.timeout_s)
     return time.perf_counter() - start
 
