@@ -150,7 +150,8 @@ async def _serve(opts: ServeOptions) -> None:
         tmp = Path(opts.port_file + ".tmp")
         tmp.write_text(str(port))
         tmp.rename(opts.port_file)    # atomic: a reader never sees a half-written port
-    log.info("sao reference server on http://%s:%d (model %s on %s)", opts.host, port, opts.model, opts.device)
+    log.info("sao reference server on http://%s:%d (model %s on %s, %d weight-update rank(s))", opts.host, port,
+             opts.model, opts.device, opts.tp)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
