@@ -70,7 +70,8 @@ def engine_command(recipe, slot: EngineSlot, head_host: str = "$HEAD_HOST") -> l
     python = recipe.launch.python
     if recipe.rollout.engine == "reference":
         return [python, "-m", "sao_megatron.cli.main", "serve", "--model", recipe.model.path, "--host", "0.0.0.0",
-                "--port", str(slot.port), "--api-key", _API_KEY_MARK, "--seed", str(recipe.run.seed + slot.engine)]
+                "--port", str(slot.port), "--api-key", _API_KEY_MARK, "--seed", str(recipe.run.seed + slot.engine),
+                "--tp", str(recipe.rollout.engine_tp)]   # weight-update ranks, as the trainer counts them
     from rollout.sglang_launcher import SGLangArgs, build_sglang_command
 
     roll = recipe.rollout

@@ -350,6 +350,8 @@ class RolloutDriver:
     async def _probe_loop(self) -> None:
         while self._running:
             await asyncio.sleep(self.probe_interval_s)
+            if self._update_lock.locked():   # /health generates: it would wait on a paused engine
+                continue
             for name in sorted(self._dead):
                 engine = self.engines[name]
                 try:

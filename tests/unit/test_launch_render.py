@@ -108,6 +108,10 @@ def test_cpu_rollout_node_runs_the_reference_server(cpu_recipe):
     recipe = load_launch_recipe(cpu_recipe, nodes=2, overrides=["launch.rollout_nodes=1"])
     node0 = rollout_node_script(recipe, 0)
     assert "sao_megatron.cli.main serve --model models/tiny --host 0.0.0.0 --port 30000" in node0
+    assert "--tp 1 &" in node0
+    wide = load_launch_recipe(cpu_recipe, nodes=2, overrides=["launch.rollout_nodes=1", "rollout.engine_tp=2"])
+    # the server joins the weight-update group as as many ranks as the trainer counts for it
+    assert "--tp 2 &" in rollout_node_script(wide, 0)
 
 
 def test_wandb_and_env_settings(cpu_recipe, tmp_path):
