@@ -476,3 +476,30 @@ def test_dynamic_sampling_filter_drops_zero_variance_groups():
 
     batch, filtered = asyncio.run(main())
     assert all(s.prompt_index % 2 == 1 for s in batch) and filtered >= 4
+
+
+def test_dead_engine_probe_waits_out_an_update_window():
+    """/health generates (SGLang): probing a paused engine would wait and mark it unhealthy, so the
+    probe skips while a weight update holds the engines paused."""
+    cfg = make_cfg()
+    eng = engines(2)
+    probed = []
+
+    async def main():
+        d = make_driver(eng, cfg)
+        await d.start()
+        eng[0].kill()
+        await d.get_batch(8, 0)
+        health = eng[0].health
+
+        async def counting_health():
+            probed.append(d._update_lock.locked())
+            return await health()
+        eng[0].health = counting_health
+        async with d.weight_update("in_place", 1):
+            await asyncio.sleep(0.2)   # 20 probe intervals inside the window
+        await asyncio.sleep(0.1)
+        await d.stop()
+
+    asyncio.run(main())
+    assert probed and not any(probed)   # probed after the window, never during it
