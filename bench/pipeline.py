@@ -25,7 +25,7 @@ from pathlib import Path
 from checkpoints.init_model import build_tokenizer
 from rollout.driver import RolloutDriver
 from rollout.prompts import build_prompt_source
-from sao_megatron.config.schema import RolloutConfig
+from sao_megatron.core.config.schema import RolloutConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

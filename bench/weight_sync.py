@@ -66,7 +66,7 @@ async def _raw(sync, engines, nbytes: int, chunk: int = 0) -> float:
 async def _measure(total_mb: float, buckets_mb: list[float], num_engines: int, repeats: int) -> dict:
     from checkpoints.loopback_engine import LoopbackEngine
     from checkpoints.weight_sync import BroadcastWeightSync
-    from sao_megatron.config import WeightSyncConfig
+    from sao_megatron.core.config import WeightSyncConfig
 
     named = synthetic_moe(total_mb)
     nbytes = sum(t.numel() * t.element_size() for _, t in named)

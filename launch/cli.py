@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from sao_megatron.config import ConfigError
+from sao_megatron.core.config import ConfigError
 
 from .render import DEFAULT_TRAIN_COMMAND, JobPaths, load_launch_recipe, render_script, write_job
 

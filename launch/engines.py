@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from sao_megatron.config import ConfigError
+from sao_megatron.core.config import ConfigError
 from sao_megatron.core.processes import pid_alive
 
 ENGINE_PORT = 30000      # first engine port on a rollout node

@@ -17,7 +17,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from sao_megatron.config import ConfigError, load_recipe
+from sao_megatron.core.config import ConfigError, load_recipe
 
 from .engines import API_KEY_VAR, engine_command, engine_heads, engine_slots, shell_join
 

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from sao_megatron.records import LossOutputs, TrainBatch
+from sao_megatron.core.records import LossOutputs, TrainBatch
 
 LAYOUTS = {
     "single": dict(),
@@ -34,7 +34,7 @@ LAYOUTS = {
 
 def make_recipe(model_dir: str | Path, layout: dict, lr: float = 1e-3, micro_batch_tokens: int = 4096):
     """A policy recipe for the tiny model under `layout` (tp, pp, vpp, ep, dispatcher)."""
-    from sao_megatron.config.recipe import Recipe
+    from sao_megatron.core.config.recipe import Recipe
 
     recipe = Recipe()
     recipe.model.path = str(model_dir)

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from sao_megatron.records import TrainBatch
+from sao_megatron.core.records import TrainBatch
 
 _ROW_FIELDS = ("tokens", "lengths", "loss_mask", "rollout_logprobs", "advantages", "returns", "weight_versions",
                "old_logprobs", "ref_logprobs", "old_values", "routed_experts")

@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from sao_megatron.records import LossOutputs, TrainBatch
+from sao_megatron.core.records import LossOutputs, TrainBatch
 
 from . import model_build, specs
 from .context_parallel import ContextParallel

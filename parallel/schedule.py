@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
-from sao_megatron.records import TrainBatch
+from sao_megatron.core.records import TrainBatch
 
 from .context_parallel import ContextParallel
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Optional
 
 from rollout.sandbox import SandboxLimits, run_python
-from sao_megatron.records import Sample, SampleStatus
+from sao_megatron.core.records import Sample, SampleStatus
 
 TurnFn = Callable[[Sample, int, list[int]], Awaitable[str]]
 CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)

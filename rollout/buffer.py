@@ -15,7 +15,7 @@ from collections import deque
 from typing import Callable, Iterable, Optional
 
 from rollout.staleness import is_stale
-from sao_megatron.records import Sample, SampleStatus
+from sao_megatron.core.records import Sample, SampleStatus
 
 GroupFilter = Callable[[list[Sample]], bool]
 

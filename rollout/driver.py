@@ -34,7 +34,7 @@ from rollout.buffer import GroupFilter, SampleBuffer
 from rollout.engine import Engine, EngineError, GenerateRequest, GenerateResult, settle_prefix_cache
 from rollout.rewards.base import apply_reward
 from rollout.staleness import StalenessStats, token_versions
-from sao_megatron.records import Sample, SampleStatus
+from sao_megatron.core.records import Sample, SampleStatus
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from sao_megatron.records import Sample
+from sao_megatron.core.records import Sample
 
 
 class RolloutDumper:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rollout.engine import EngineError, GenerateResult
-from sao_megatron.records import Sample
+from sao_megatron.core.records import Sample
 
 
 def token_versions(result: GenerateResult, submit_version: int) -> list[int]:

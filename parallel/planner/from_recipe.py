@@ -14,7 +14,7 @@ def model_config_of(recipe) -> dict:
     import json
     from pathlib import Path
 
-    from sao_megatron.config import ConfigError
+    from sao_megatron.core.config import ConfigError
 
     from ..model_shapes import get_shape
 

@@ -16,7 +16,7 @@ from concurrent.futures import Executor
 from typing import Any, Awaitable, Callable, Optional, Union
 
 from sao_megatron.core.imports import resolve_import_path
-from sao_megatron.records import Sample, SampleStatus
+from sao_megatron.core.records import Sample, SampleStatus
 
 log = logging.getLogger(__name__)
 

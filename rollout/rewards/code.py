@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from rollout.sandbox import SandboxLimits, run_python
-from sao_megatron.records import Sample
+from sao_megatron.core.records import Sample
 
 FENCE = re.compile(r"```(?:python|py)?\n(.*?)```", re.DOTALL)
 

@@ -6,7 +6,7 @@ threads, so both are disabled here (parsing_timeout=None, timeout_seconds=None) 
 """
 from __future__ import annotations
 
-from sao_megatron.records import Sample
+from sao_megatron.core.records import Sample
 
 
 def _math_verify():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from sao_megatron.records import Sample
+from sao_megatron.core.records import Sample
 
 
 class RewardModel:

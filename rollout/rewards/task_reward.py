@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from rollout.environments import ChangingEnvironment
 from rollout.rewards.tasks import get_task
-from sao_megatron.records import Sample
+from sao_megatron.core.records import Sample
 
 
 def task_reward(sample: Sample) -> dict:

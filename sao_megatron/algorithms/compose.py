@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from sao_megatron.records import LossInputs, LossOutputs
+from sao_megatron.core.records import LossInputs, LossOutputs
 
 from .advantages import overlong_penalty, dynamic_sampling_filter, place_scalar_reward
 from .aggregation import Aggregation

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from sao_megatron.records import LossOutputs
+from sao_megatron.core.records import LossOutputs
 
 from .aggregation import Aggregation
 

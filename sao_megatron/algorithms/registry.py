@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from sao_megatron.core.imports import resolve_import_path
-from sao_megatron.config.presets import PRESETS
+from sao_megatron.core.config.presets import PRESETS
 
 from . import advantages as adv
 from .policy_losses import cispo_loss, dis_loss, gspo_loss, gspo_token_loss, ppo_clip_loss

@@ -21,7 +21,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from sao_megatron.config import ConfigError, load_recipe
+    from sao_megatron.core.config import ConfigError, load_recipe
 
     recipe = load_recipe(args.recipe, list(args.overrides) + [f"model.path='{args.checkpoint}'"])
     if not recipe.eval.datasets:

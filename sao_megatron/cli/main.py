@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-from sao_megatron.config import ConfigError
+from sao_megatron.core.config import ConfigError
 
 SUBCOMMANDS = ["train", "serve", "launch", "convert", "plan", "doctor", "bench", "eval", "init_model"]
 

@@ -12,7 +12,7 @@ class _HelpRecipe(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from sao_megatron.config.recipe_help import recipe_help
+        from sao_megatron.core.config.recipe_help import recipe_help
 
         print(recipe_help(), end="")
         parser.exit()
@@ -44,7 +44,7 @@ def _flag_overrides(args) -> list[str]:
 
 
 def run(args) -> int:
-    from sao_megatron.config import load_recipe
+    from sao_megatron.core.config import load_recipe
 
     recipe = load_recipe(args.recipe, list(args.overrides) + _flag_overrides(args))
     from sao_megatron.trainer.entry import train_from_recipe  # torch, megatron: only after validation

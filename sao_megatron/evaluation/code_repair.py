@@ -35,8 +35,8 @@ from typing import Optional
 from rollout.agent import ToolAgent, ToolCall
 from rollout.engine import Engine, GenerateRequest
 from rollout.sandbox import SandboxLimits, SandboxResult, run_python
-from sao_megatron.config.errors import ConfigError
-from sao_megatron.records import Sample
+from sao_megatron.core.config.errors import ConfigError
+from sao_megatron.core.records import Sample
 
 from .patches import PatchError, apply_submission, safe_path
 from .runner import AgenticEval, EpisodeResult, encode_prompt

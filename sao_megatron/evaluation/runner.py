@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from rollout.engine import Engine, GenerateRequest
-from sao_megatron.config.errors import ConfigError
+from sao_megatron.core.config.errors import ConfigError
 from sao_megatron.core.imports import resolve_import_path
 
 from .scores import summarize

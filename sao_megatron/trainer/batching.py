@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sao_megatron.records import Sample, TrainBatch
+from sao_megatron.core.records import Sample, TrainBatch
 
 
 @dataclass

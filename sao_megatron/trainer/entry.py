@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sao_megatron.config import ConfigError, Recipe, load_recipe
+from sao_megatron.core.config import ConfigError, Recipe, load_recipe
 
 
 def train_from_recipe(recipe: Recipe) -> int:

@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from sao_megatron.config import Recipe
-from sao_megatron.records import Sample
+from sao_megatron.core.config import Recipe
+from sao_megatron.core.records import Sample
 
 from . import steps
 from .batching import build_train_batches, response_tensors

@@ -15,8 +15,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from sao_megatron.config import Recipe
-from sao_megatron.records import Sample
+from sao_megatron.core.config import Recipe
+from sao_megatron.core.records import Sample
 
 
 class Services:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from sao_megatron.config import AlgorithmConfig, CriticConfig
-from sao_megatron.records import LossInputs, LossOutputs, Sample, TrainBatch
+from sao_megatron.core.config import AlgorithmConfig, CriticConfig
+from sao_megatron.core.records import LossInputs, LossOutputs, Sample, TrainBatch
 
 from .batching import ResponseTensors, to_response_space
 

@@ -19,7 +19,7 @@ PROMPT = [5, 17, 33, 40, 41, 42, 50]
 
 
 def _batch(tokens: list[int]):
-    from sao_megatron.records import TrainBatch
+    from sao_megatron.core.records import TrainBatch
 
     seq = len(tokens)
     zeros = torch.zeros(1, seq)
@@ -33,7 +33,7 @@ async def _sync_and_sample(named, url: str, api_key: str):
     from checkpoints.weight_sync import BroadcastWeightSync
     from rollout.engine import GenerateRequest
     from rollout.sglang_client import SGLangEngine
-    from sao_megatron.config import WeightSyncConfig
+    from sao_megatron.core.config import WeightSyncConfig
 
     engine = SGLangEngine(url, api_key=api_key, name="ref-0", control_timeout_s=60, weight_timeout_s=120)
     try:

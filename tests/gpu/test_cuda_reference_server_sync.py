@@ -27,7 +27,7 @@ PROMPT = [5, 17, 33, 40, 41, 42, 50]
 
 
 def _batch(tokens: list[int]):
-    from sao_megatron.records import TrainBatch
+    from sao_megatron.core.records import TrainBatch
 
     seq = len(tokens)
     zeros = torch.zeros(1, seq)
@@ -42,7 +42,7 @@ async def sync_and_sample(named, url: str, backend: str):
     from checkpoints.weight_sync import BroadcastWeightSync
     from rollout.engine import GenerateRequest
     from rollout.sglang_client import SGLangEngine
-    from sao_megatron.config import WeightSyncConfig
+    from sao_megatron.core.config import WeightSyncConfig
 
     engine = SGLangEngine(url, api_key="k", name="ref-cuda", control_timeout_s=60, weight_timeout_s=300)
     try:

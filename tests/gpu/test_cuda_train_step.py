@@ -42,7 +42,7 @@ def bf16_step_with_own_routes(model_dir: str) -> dict:
 
     from parallel import layout_check as lc
     from parallel.rl_model import RLModel
-    from sao_megatron.config import load_recipe
+    from sao_megatron.core.config import load_recipe
     from sao_megatron.trainer.steps import policy_loss_fn
 
     recipe = lc.make_recipe(model_dir, {}, lr=1e-3)

@@ -16,7 +16,7 @@ pytest.importorskip("sglang", reason="needs SGLang: pip install 'sao-megatron[gp
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     from rollout.sglang_launcher import launch_sglang
-    from sao_megatron.config import load_recipe
+    from sao_megatron.core.config import load_recipe
 
     recipe = load_recipe(None, [f"model.path='{tiny_model_dir}'", "rollout.engine='sglang'", "rollout.mem_fraction=0.3"])
     handle = launch_sglang(recipe, index=0, port=0, api_key="k",
@@ -27,7 +27,7 @@ def server(tiny_model_dir, tmp_path_factory):
 
 def _client(server, tiny_model_dir):
     """The client as the trainer builds it (services.engine_clients: routes' shape from config.json)."""
-    from sao_megatron.config import load_recipe
+    from sao_megatron.core.config import load_recipe
     from sao_megatron.trainer.services import engine_clients
 
     recipe = load_recipe(None, [f"model.path='{tiny_model_dir}'", "rollout.engine='sglang'"])

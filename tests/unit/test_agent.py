@@ -10,8 +10,8 @@ from rollout.agent import ToolAgent, parse_tool_call
 from rollout.driver import RolloutDriver
 from rollout.prompts import build_prompt_source
 from rollout.rewards import resolve_reward_fn
-from sao_megatron.config.schema import RolloutConfig
-from sao_megatron.records import Sample, SampleStatus
+from sao_megatron.core.config.schema import RolloutConfig
+from sao_megatron.core.records import Sample, SampleStatus
 
 TOK = build_tokenizer()
 

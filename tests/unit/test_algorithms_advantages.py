@@ -158,7 +158,7 @@ def test_running_mean_baseline_hand_values():
 
 def test_running_mean_estimator_through_compute_advantages():
     from sao_megatron.algorithms import compute_advantages
-    from sao_megatron.config import AlgorithmConfig
+    from sao_megatron.core.config import AlgorithmConfig
 
     cfg = AlgorithmConfig(name="running_mean", loss="ppo", advantage="running_mean", eps_low=0.2, eps_high=0.2)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])

@@ -6,8 +6,8 @@ import torch
 
 from sao_megatron.algorithms import (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, compute_advantages, compute_policy_loss,
                                      dis_loss, get_policy_loss)
-from sao_megatron.config import PRESETS, AlgorithmConfig
-from sao_megatron.records import LossInputs
+from sao_megatron.core.config import PRESETS, AlgorithmConfig
+from sao_megatron.core.records import LossInputs
 
 T = torch.tensor
 RECIPES = ("sao", "grpo", "grpo_dis", "gspo", "gspo_token", "dapo", "drgrpo", "rloo", "reinforce_pp", "ppo")
@@ -94,7 +94,7 @@ def test_missing_inputs_and_unset_band_fail_loudly():
 
 def test_custom_loss_by_import_path(tmp_path, monkeypatch):
     (tmp_path / "my_losses.py").write_text(
-        "from sao_megatron.records import LossOutputs\n"
+        "from sao_megatron.core.records import LossOutputs\n"
         "def sum_logp(cfg, inputs, agg, token_weight):\n"
         "    return LossOutputs(agg.loss(-inputs.logp, inputs.mask > 0), {'custom': 1.0})\n")
     monkeypatch.syspath_prepend(str(tmp_path))

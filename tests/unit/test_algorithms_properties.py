@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from sao_megatron.algorithms import (AGG_MODES, compute_gae, compute_policy_loss, dis_loss, gspo_loss,
                                      gspo_token_loss, policy_gradient_loss)
 from sao_megatron.algorithms.aggregation import Aggregation
-from sao_megatron.config import AlgorithmConfig
-from sao_megatron.records import LossInputs
+from sao_megatron.core.config import AlgorithmConfig
+from sao_megatron.core.records import LossInputs
 
 FAST = settings(max_examples=40, deadline=None, database=None)  # no example database in the shared tree
 LOSSES = ("dis", "ppo", "gspo", "gspo_token", "cispo")

@@ -10,7 +10,7 @@ import torch
 
 from checkpoints.manifest import CheckpointCorruptError
 from checkpoints.run_state import RngState, RunCheckpointer, ValueState
-from sao_megatron.records import Sample, SampleStatus
+from sao_megatron.core.records import Sample, SampleStatus
 
 
 class FakeDriver:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sao_megatron.cli.main import main
-from sao_megatron.config import ConfigError, load_recipe, parse_override
+from sao_megatron.core.config import ConfigError, load_recipe, parse_override
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -60,7 +60,7 @@ def test_resolved_recipe_round_trips(tmp_path):
 
 
 def test_config_package_imports_without_torch():
-    code = "import sys, sao_megatron.config, sao_megatron.cli.main; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, sao_megatron.core.config, sao_megatron.cli.main; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
@@ -105,7 +105,7 @@ def test_bad_recipe_names_field_and_fix(tmp_path, label, body, field, words):
 
 def test_explicit_eps_high_without_low_is_an_error(tmp_path):
     # A custom loss outside any preset: eps_low never silently becomes eps_high.
-    from sao_megatron.config import build_recipe
+    from sao_megatron.core.config import build_recipe
 
     recipe = build_recipe({"model": {"path": "x"}, "algorithm": {"loss": "ppo", "advantage": "gae", "eps_low": 0.2}})
     with pytest.raises(ConfigError, match="algorithm.eps_high: is unset"):

@@ -40,7 +40,7 @@ def test_resolve_backend_on_a_machine_without_cuda():
 
 def test_core_and_config_import_without_torch():
     code = ("import sys; import sao_megatron.core, sao_megatron.core.ports, sao_megatron.core.imports, "
-            "sao_megatron.core.processes, sao_megatron.core.backends, sao_megatron.config; "
+            "sao_megatron.core.processes, sao_megatron.core.backends, sao_megatron.core.config; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from rollout.sglang_launcher import SGLangArgs, args_from_recipe, build_sglang_command
-from sao_megatron.config.recipe import load_recipe
+from sao_megatron.core.config.recipe import load_recipe
 
 
 def flag(cmd: list[str], name: str) -> str:

@@ -10,7 +10,7 @@ import pytest
 from checkpoints.init_model import build_tokenizer
 from fake_engine import FakeEngine
 from rollout.sandbox import SandboxLimits
-from sao_megatron.config import ConfigError, EvalConfig, RolloutConfig
+from sao_megatron.core.config import ConfigError, EvalConfig, RolloutConfig
 from sao_megatron.evaluation.code_repair import BadTask, CodeRepairEval, load_tasks, validate_task
 from sao_megatron.evaluation.patches import PatchError, apply_submission
 from sao_megatron.evaluation.runner import agentic_eval_for, evaluate_agentic, evaluate_all

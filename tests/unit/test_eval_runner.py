@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from sao_megatron.config import EvalConfig, RolloutConfig
+from sao_megatron.core.config import EvalConfig, RolloutConfig
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 
 from launch.engines import engine_slots
 from launch.render import JobPaths, job_layout, load_launch_recipe, render_script, rollout_node_script, write_job
-from sao_megatron.config import ConfigError, load_recipe
+from sao_megatron.core.config import ConfigError, load_recipe
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "recipes"

@@ -5,7 +5,7 @@ import pytest
 
 from rollout.environments import DEFAULT_RULES, ChangingEnvironment
 from rollout.rewards.task_reward import task_reward
-from sao_megatron.records import Sample
+from sao_megatron.core.records import Sample
 
 
 def test_default_rules_are_styles_that_switch_on_schedule():

@@ -5,7 +5,7 @@ import pytest
 
 from parallel.dims import LayoutError, ParallelDims
 from parallel.specs import ArchShape
-from sao_megatron.config.schema import ParallelConfig
+from sao_megatron.core.config.schema import ParallelConfig
 
 TINY = ArchShape(arch="qwen3_moe", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, num_experts=8,
                  top_k=2, vocab_size=105)

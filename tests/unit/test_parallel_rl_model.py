@@ -157,7 +157,7 @@ def test_frozen_attention_critic(observed):
 def test_gpu_only_optimizer_options_are_one_line_errors_on_cpu(tiny_model_dir):
     from parallel import layout_check as lc
     from parallel.rl_model import RLModel
-    from sao_megatron.config import ConfigError
+    from sao_megatron.core.config import ConfigError
 
     recipe = lc.make_recipe(tiny_model_dir, {"distributed_optimizer": True, "optimizer_offload": True})
     with pytest.raises(ValueError, match=r"^parallel.optimizer_offload needs CUDA .*fix: set parallel.optimizer_offload = false"):

@@ -11,7 +11,7 @@ from parallel import layout_check as lc
 from parallel.context_parallel import ContextParallel, local_positions, restore_order, split_for_rank
 from parallel.packing import seq_multiple, split_by_token_budget
 from parallel.schedule import context_local
-from sao_megatron.config import ConfigError, load_recipe
+from sao_megatron.core.config import ConfigError, load_recipe
 
 
 @pytest.mark.parametrize("kw,multiple", [

@@ -75,7 +75,7 @@ def _trainer_logprobs(model_dir: str, tokens: list[int]) -> dict:
 
     from parallel import layout_check as lc
     from parallel.rl_model import RLModel
-    from sao_megatron.records import TrainBatch
+    from sao_megatron.core.records import TrainBatch
 
     recipe = lc.make_recipe(model_dir, {})
     recipe.rollout = replace(recipe.rollout, temperature=T)

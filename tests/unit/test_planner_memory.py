@@ -11,7 +11,7 @@ from parallel.model_shapes import count_parameters, get_shape
 from parallel.planner import (GIB, Layout, TrainOptions, activation_bytes, kv_bytes_per_token, layout_problem,
                               make_plan, model_memory, model_total_from_ranks, plan_input_from_recipe, rank_params,
                               search_layouts, stage_layer_counts, stage_ranges)
-from sao_megatron.config import load_recipe
+from sao_megatron.core.config import load_recipe
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 

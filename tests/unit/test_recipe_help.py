@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from sao_megatron.cli.main import main
-from sao_megatron.config import ConfigError, load_recipe
-from sao_megatron.config.recipe_help import field_default, parse_bounds, recipe_help, toml_value
-from sao_megatron.config.schema import SECTIONS
+from sao_megatron.core.config import ConfigError, load_recipe
+from sao_megatron.core.config.recipe_help import field_default, parse_bounds, recipe_help, toml_value
+from sao_megatron.core.config.schema import SECTIONS
 
 TINY = Path(__file__).resolve().parents[2] / "recipes" / "tiny_moe_cpu.toml"
 
@@ -89,6 +89,6 @@ def test_sao_train_help_recipe_prints_to_stdout_without_a_recipe(capsys):
 
 
 def test_the_help_loads_without_torch():
-    code = "import sys; import sao_megatron.config.recipe_help; print('torch' in sys.modules)"
+    code = "import sys; import sao_megatron.core.config.recipe_help; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

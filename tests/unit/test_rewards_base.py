@@ -11,8 +11,8 @@ from rollout.rewards import apply_reward, resolve_reward_fn
 from rollout.rewards.math import math_reward
 from rollout.rewards.reward_model import RewardModel
 from rollout.rewards.task_reward import task_reward
-from sao_megatron.config.schema import RolloutConfig
-from sao_megatron.records import Sample, SampleStatus
+from sao_megatron.core.config.schema import RolloutConfig
+from sao_megatron.core.records import Sample, SampleStatus
 
 
 def sample(text="7", label="7", **meta):

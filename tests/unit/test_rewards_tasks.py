@@ -9,7 +9,7 @@ from rollout.environments import ChangingEnvironment
 from rollout.rewards.task_reward import task_reward
 from rollout.rewards.tasks import (get_task, make_arithmetic, make_copy, make_countdown, score_arithmetic,
                                    score_copy, score_countdown, _eval_arith)
-from sao_megatron.records import Sample
+from sao_megatron.core.records import Sample
 
 
 def test_arithmetic_problems_have_single_digit_answers_that_check():

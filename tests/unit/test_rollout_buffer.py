@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from rollout.buffer import SampleBuffer, nonzero_reward_variance
-from sao_megatron.records import Sample, SampleStatus
+from sao_megatron.core.records import Sample, SampleStatus
 
 
 def s(uid, gid, reward=1.0, versions=(0,), status=SampleStatus.COMPLETED, ntok=1):

@@ -10,8 +10,8 @@ from checkpoints.init_model import build_tokenizer
 from rollout.driver import DriverError, RolloutDriver
 from rollout.prompts import build_prompt_source
 from rollout.rewards import resolve_reward_fn
-from sao_megatron.config.schema import RolloutConfig
-from sao_megatron.records import SampleStatus
+from sao_megatron.core.config.schema import RolloutConfig
+from sao_megatron.core.records import SampleStatus
 from fake_engine import FakeEngine
 
 TOK = build_tokenizer()

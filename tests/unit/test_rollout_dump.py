@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rollout.dump import RolloutDumper, SavedRollouts, load_step
-from sao_megatron.records import Sample, SampleStatus
+from sao_megatron.core.records import Sample, SampleStatus
 
 
 def sample(i):

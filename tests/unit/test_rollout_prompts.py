@@ -7,7 +7,7 @@ import pytest
 
 from checkpoints.init_model import build_tokenizer
 from rollout.prompts import BadRowError, build_prompt_source, load_rows
-from sao_megatron.config.schema import RolloutConfig
+from sao_megatron.core.config.schema import RolloutConfig
 
 TOK = build_tokenizer()
 

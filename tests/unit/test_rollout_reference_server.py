@@ -15,8 +15,8 @@ from rollout.prompts import build_prompt_source
 from rollout.reference_server import launch_local
 from rollout.rewards import resolve_reward_fn
 from rollout.sglang_client import SGLangEngine
-from sao_megatron.config.schema import RolloutConfig
-from sao_megatron.records import SampleStatus
+from sao_megatron.core.config.schema import RolloutConfig
+from sao_megatron.core.records import SampleStatus
 
 KEY = "drv-key"
 TOK = build_tokenizer()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from parallel.distributed import run_distributed_test
-from sao_megatron.records import Sample
+from sao_megatron.core.records import Sample
 
 ROWS, SEQ, LAYERS, TOP_K, EXPERTS = 2, 12, 4, 2, 8
 

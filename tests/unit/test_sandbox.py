@@ -10,7 +10,7 @@ import pytest
 
 from rollout.rewards.code import code_reward, extract_program
 from rollout.sandbox import SandboxLimits, network_namespace_available, run_python
-from sao_megatron.records import Sample
+from sao_megatron.core.records import Sample
 
 FAST = SandboxLimits(wall_time_s=20, cpu_time_s=2, memory_mb=512, file_size_mb=1)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sao_megatron.records import Sample, SampleStatus
+from sao_megatron.core.records import Sample, SampleStatus
 from sao_megatron.trainer.batching import (build_train_batches, plan_micro_batches, response_tensors,
                                            to_response_space)
 

@@ -21,7 +21,7 @@ from checkpoints.weight_check import WeightMismatchError, check_weight_update_eq
 from checkpoints.weight_sync import BroadcastWeightSync
 from rollout.engine import EngineError
 from rollout.sglang_client import SGLangEngine
-from sao_megatron.config import WeightSyncConfig
+from sao_megatron.core.config import WeightSyncConfig
 
 
 @pytest.fixture(scope="module")

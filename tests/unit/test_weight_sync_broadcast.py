@@ -10,7 +10,7 @@ from checkpoints.weight_buckets import Bucket, iter_buckets
 from checkpoints.weight_check import WeightMismatchError, check_weight_update_equal
 from checkpoints.weight_sync import BroadcastWeightSync, DiskWeightSync, build_weight_sync, non_expert_first
 from rollout.engine import EngineError
-from sao_megatron.config import WeightSyncConfig
+from sao_megatron.core.config import WeightSyncConfig
 
 from weight_sync_fakes import FakeEngine
 

@@ -16,7 +16,7 @@ from checkpoints.hf_io import HFCheckpoint
 from checkpoints.weight_check import check_weight_update_equal
 from checkpoints.weight_sync import BroadcastWeightSync, DiskWeightSync
 from rollout.engine import EngineError, GenerateRequest
-from sao_megatron.config import WeightSyncConfig
+from sao_megatron.core.config import WeightSyncConfig
 
 
 @pytest.fixture(scope="module")

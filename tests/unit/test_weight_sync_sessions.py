@@ -13,7 +13,7 @@ import torch
 from checkpoints import engine_calls, weight_sync
 from checkpoints.weight_sync import BroadcastWeightSync
 from rollout.engine import EngineError
-from sao_megatron.config import WeightSyncConfig
+from sao_megatron.core.config import WeightSyncConfig
 
 from weight_sync_fakes import FakeEngine
 

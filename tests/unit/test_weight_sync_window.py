@@ -15,7 +15,7 @@ from parallel.distributed import DistributedTestError, run_distributed_test
 from rollout.driver import RolloutDriver
 from rollout.prompts import build_prompt_source
 from rollout.rewards import resolve_reward_fn
-from sao_megatron.config.schema import RolloutConfig
+from sao_megatron.core.config.schema import RolloutConfig
 from sao_megatron.trainer.services import Services
 
 from fake_engine import FakeEngine
@@ -176,7 +176,7 @@ def test_engines_are_built_from_the_recipe(tiny_model_dir, tmp_path, monkeypatch
     """Reference engines start with --tp rollout.engine_tp; the weight sync counts that many ranks per
     engine; the clients know the routes' shape from config.json (SGLang's /model_info does not say)."""
     import rollout.reference_server as reference_server
-    from sao_megatron.config import load_recipe
+    from sao_megatron.core.config import load_recipe
     from sao_megatron.trainer import services as services_mod
 
     launched = []
@@ -196,7 +196,7 @@ def test_engines_are_built_from_the_recipe(tiny_model_dir, tmp_path, monkeypatch
 
 
 def test_engine_tp_below_one_is_refused_by_name(tiny_model_dir):
-    from sao_megatron.config import ConfigError, load_recipe
+    from sao_megatron.core.config import ConfigError, load_recipe
 
     with pytest.raises(ConfigError, match="rollout.engine_tp"):
         load_recipe(None, [f"model.path='{tiny_model_dir}'", "rollout.engine_tp=0"])
