@@ -10,6 +10,8 @@ import json
 import string
 from pathlib import Path
 
+from .arch import FAMILIES
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
                   "<tool_response>", "</tool_response>"]
 CHAT_TEMPLATE = (
@@ -17,25 +19,8 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-# Shapes per (arch, preset). head_dim >= 32 keeps every engine's attention kernels happy.
-PRESETS: dict[tuple[str, str], dict] = {
-    ("qwen3_moe", "tiny"): dict(
-        hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2,
-        norm_topk_prob=True, max_position_embeddings=1024, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        decoder_sparse_step=1, router_aux_loss_coef=0.0,
-    ),
-    ("qwen3_moe", "small"): dict(
-        hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=32, num_experts=16, num_experts_per_tok=4,
-        norm_topk_prob=True, max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        decoder_sparse_step=1, router_aux_loss_coef=0.0,
-    ),
-    # GLM-4.5 and GLM-5-class: checkpoints/tiny_models.py's shapes (first layer dense, one shared
-    # expert, sigmoid router with correction bias), with this tokenizer's vocabulary and special ids.
-    ("glm4_moe", "tiny"): dict(max_position_embeddings=1024),
-    ("glm5", "tiny"): dict(max_position_embeddings=1024),
-}
+# (arch, preset) -> transformers config kwargs, from each family's presets in checkpoints/arch.
+PRESETS: dict[tuple[str, str], dict] = {(f.name, p): kw for f in FAMILIES for p, kw in f.presets.items()}
 
 
 def build_tokenizer():
@@ -63,7 +48,8 @@ def init_model(out_dir: str | Path, arch: str = "qwen3_moe", preset: str = "tiny
                dtype: str = "fp32") -> Path:
     """Write config.json, model.safetensors and the tokenizer files into `out_dir`."""
     import torch
-    import transformers
+
+    from .tiny_models import build_tiny_model
 
     if (arch, preset) not in PRESETS:
         known = ", ".join(f"{a}/{p}" for a, p in PRESETS)
@@ -71,18 +57,9 @@ def init_model(out_dir: str | Path, arch: str = "qwen3_moe", preset: str = "tiny
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    shape = PRESETS[(arch, preset)]
     ids = dict(vocab_size=len(tokenizer), bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
                pad_token_id=tokenizer.pad_token_id)
-    if arch == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(**ids, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                                             **shape)
-        torch.manual_seed(seed)
-        model = transformers.Qwen3MoeForCausalLM(config)
-    else:
-        from .tiny_models import build_tiny_model
-
-        model = build_tiny_model(arch, seed, **ids, **shape)
+    model = build_tiny_model(arch, seed, preset, **ids)
     model.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id

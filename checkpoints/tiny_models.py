@@ -1,46 +1,39 @@
-"""Tiny random GLM-4.5 and GLM-5-class HF checkpoints (the shapes of checkpoints/init_model.py's tiny
-Qwen3-MoE: vocab 105, hidden 64, 4 layers, 8 experts top-2), used to test the conversion of those
-families against transformers and Megatron. No tokenizer: they are weight fixtures, not demo models.
+"""Tiny random HF models of any registered family, built from the family's preset (checkpoints/arch).
+
+`build_tiny_model` is what `sao init-model` calls (with its tokenizer's vocabulary and special ids);
+`make_tiny_hf` writes a weight fixture without a tokenizer (FIXTURE: the char tokenizer's vocabulary
+size 105 and fixed ids), used to test the conversion of a family against transformers and Megatron.
 Router biases are randomised so that a dropped or misplaced e_score_correction_bias shows in logits.
 """
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
-COMMON = dict(vocab_size=105, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
-              num_attention_heads=4, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
-              first_k_dense_replace=1, max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=0,
-              bos_token_id=None, eos_token_id=2)
+from .arch import family
+
+FIXTURE = dict(vocab_size=105, pad_token_id=0, bos_token_id=None, eos_token_id=2, max_position_embeddings=256)
 
 
-def make_tiny_hf(out_dir: str | Path, arch: str, seed: int = 0) -> Path:
-    """Write config.json + model.safetensors of a tiny random `arch` ("glm4_moe" | "glm5") model."""
+def make_tiny_hf(out_dir: str | Path, arch: str, seed: int = 0, preset: str = "tiny") -> Path:
+    """Write config.json + model.safetensors of a tiny random `arch` model (no tokenizer)."""
     out = Path(out_dir)
-    build_tiny_model(arch, seed).save_pretrained(out)
+    build_tiny_model(arch, seed, preset, **FIXTURE).save_pretrained(out)
     return out
 
 
-def build_tiny_model(arch: str, seed: int = 0, **overrides):
-    """A tiny random `arch` ("glm4_moe" | "glm5") transformers model; `overrides` change COMMON's
-    fields (checkpoints/init_model.py passes its tokenizer's vocabulary and special ids)."""
+def build_tiny_model(arch: str, seed: int = 0, preset: str = "tiny", **overrides):
+    """A random `arch` transformers model of the family's `preset`; `overrides` (token ids, vocabulary,
+    context length) change the preset's config fields."""
     import torch
     import transformers
 
-    fields = {**COMMON, **overrides}
-    if arch == "glm4_moe":
-        config = transformers.Glm4MoeConfig(**fields, num_key_value_heads=2, head_dim=32, attention_bias=True,
-                                            use_qk_norm=True)
-        model_cls = transformers.Glm4MoeForCausalLM
-    elif arch == "glm5":
-        # index_topk above any test length: the DSA indexer keeps every key, so attention is dense MLA
-        config = transformers.GlmMoeDsaConfig(**fields, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
-                                              qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, head_dim=16,
-                                              index_topk=2048, index_head_dim=32, index_n_heads=2)
-        model_cls = transformers.GlmMoeDsaForCausalLM
-    else:
-        raise ValueError(f"no tiny {arch!r} model; fix: use glm4_moe or glm5 (qwen3_moe: checkpoints.init_model)")
+    fam = family(arch)
+    if preset not in fam.presets:
+        raise ValueError(f"no preset {arch}/{preset}; fix: use one of {sorted(fam.presets)}")
+    config = getattr(transformers, fam.hf_config_class)(**{**copy.deepcopy(fam.presets[preset]), **overrides})
     torch.manual_seed(seed)
-    model = model_cls(config)
+    model = getattr(transformers, fam.hf_model_class)(config)
     with torch.no_grad():
         for name, buf in model.named_buffers():
             if "e_score_correction_bias" in name:

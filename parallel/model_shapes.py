@@ -1,7 +1,8 @@
 """Architecture shapes of the large MoE models, and exact parameter counts from an HF config.
 
 `SHAPES` holds HF-``config.json``-like dicts (HF key names) for the models whose weights are not on
-this machine; recipes name one with ``model.shape_preset``. `count_parameters(cfg)` works on any of
+this machine, gathered from each family's entry in checkpoints/arch (``Family.shapes``); recipes name
+one with ``model.shape_preset``. `count_parameters(cfg)` works on any of
 them and on a real ``config.json`` (the tiny Qwen3-MoE included), so the planner and the tests use one
 counting rule.
 
@@ -22,61 +23,9 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, fields
 
-_QWEN3_30B_A3B = dict(
-    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48,
-    num_attention_heads=32, num_key_value_heads=4, head_dim=128, attention_bias=False, use_qk_norm=True,
-    vocab_size=151936, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
-    num_experts_per_tok=8, n_shared_experts=0, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-    max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=False, scoring_func="softmax",
-)
+from checkpoints.arch import BY_MODEL_TYPE, named_shapes
 
-_GLM45_COMMON = dict(
-    architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", num_attention_heads=96, num_key_value_heads=8,
-    head_dim=128, attention_bias=True, vocab_size=151552, num_experts_per_tok=8, n_shared_experts=1,
-    norm_topk_prob=True, max_position_embeddings=131072, rope_theta=1e6, partial_rotary_factor=0.5,
-    tie_word_embeddings=False, scoring_func="sigmoid", topk_method="noaux_tc", n_group=1, topk_group=1,
-    num_nextn_predict_layers=1,
-)
-
-_GLM45_355B = dict(
-    _GLM45_COMMON, hidden_size=5120, num_hidden_layers=92, first_k_dense_replace=3, use_qk_norm=True,
-    intermediate_size=12288, moe_intermediate_size=1536, n_routed_experts=160, routed_scaling_factor=2.5,
-)
-
-_GLM45_AIR = dict(
-    _GLM45_COMMON, hidden_size=4096, num_hidden_layers=46, first_k_dense_replace=1, use_qk_norm=False,
-    intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=128, routed_scaling_factor=1.0,
-)
-
-# GLM-5 / GLM-5.1 (744B-A40B; 753.9B with the MTP layer): MLA + DSA indexer on every layer.
-_GLM5 = dict(
-    architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", hidden_size=6144, num_hidden_layers=78,
-    first_k_dense_replace=3, num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048,
-    kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, attention_bias=False,
-    vocab_size=154880, intermediate_size=12288, moe_intermediate_size=2048, n_routed_experts=256,
-    num_experts_per_tok=8, n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.5,
-    scoring_func="sigmoid", topk_method="noaux_tc", n_group=1, topk_group=1, num_nextn_predict_layers=1,
-    index_n_heads=32, index_head_dim=128, index_topk=2048, max_position_embeddings=202752, rope_theta=1e6,
-    tie_word_embeddings=False,
-)
-
-_DEEPSEEK_V3 = dict(
-    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=7168, num_hidden_layers=61,
-    first_k_dense_replace=3, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
-    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, attention_bias=False,
-    vocab_size=129280, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
-    num_experts_per_tok=8, n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.5,
-    scoring_func="sigmoid", topk_method="noaux_tc", n_group=8, topk_group=4, num_nextn_predict_layers=1,
-    max_position_embeddings=163840, rope_theta=1e4, tie_word_embeddings=False,
-)
-
-SHAPES: dict[str, dict] = {
-    "qwen3-30b-a3b": _QWEN3_30B_A3B,
-    "glm4.5-355b-a32b": _GLM45_355B,
-    "glm4.5-air": _GLM45_AIR,
-    "glm5-744b-a40b": _GLM5,
-    "deepseek-v3": _DEEPSEEK_V3,
-}
+SHAPES: dict[str, dict] = named_shapes()
 
 
 def get_shape(name: str) -> dict:
@@ -146,8 +95,10 @@ def attention_params(cfg: dict) -> tuple[int, int]:
 
 
 def has_qk_norm(cfg: dict) -> bool:
-    # Qwen3 always has per-head q/k norms; GLM-4.5 has them only with use_qk_norm.
-    return cfg.get("model_type") in ("qwen3_moe", "qwen3") or bool(cfg.get("use_qk_norm"))
+    """Per-head q/k RMSNorm: the family decides (Qwen3 always, GLM-4.5 with use_qk_norm); configs of an
+    unregistered model_type count them when use_qk_norm says so."""
+    family = BY_MODEL_TYPE.get(cfg.get("model_type", ""))
+    return family.qk_norm(cfg) if family else bool(cfg.get("use_qk_norm"))
 
 
 def indexer_params(cfg: dict) -> int:

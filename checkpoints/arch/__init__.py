@@ -1,24 +1,48 @@
-"""Architecture registry: HF config.json -> ArchSpec, per family."""
+"""The architecture registry: one `Family` per family (family.py lists its fields and their users).
+
+Adding a family = one module in this folder defining FAMILY, plus its line in FAMILIES below
+(docs/adding-a-model.md walks through it). Everything else looks families up here:
+by recipe name (`family`) or by config.json model_type (`family_of_config`).
+"""
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, Mapping
 
 from . import glm4_moe, glm5, qwen3_moe
-from .spec import ArchSpec
+from .family import Family, SpecError, hf_get
+from .spec import ArchShape, ArchSpec
 
-ARCHS = {"qwen3_moe": qwen3_moe, "glm4_moe": glm4_moe, "glm5": glm5}
-# HF model_type -> our family name (the same table as parallel/specs.py).
-MODEL_TYPES = {"qwen3_moe": "qwen3_moe", "glm4_moe": "glm4_moe", "glm_moe_dsa": "glm5", "deepseek_v3": "glm5"}
+FAMILIES: tuple[Family, ...] = (qwen3_moe.FAMILY, glm4_moe.FAMILY, glm5.FAMILY)
+ARCHS: dict[str, Family] = {f.name: f for f in FAMILIES}
+BY_MODEL_TYPE: dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
+
+
+def family(name: str) -> Family:
+    """The family a recipe's model.arch names; unknown names list the known ones."""
+    if name not in ARCHS:
+        raise ValueError(f"architecture {name!r} is not registered; fix: use one of {sorted(ARCHS)} "
+                         f"(checkpoints/arch/__init__.py)")
+    return ARCHS[name]
+
+
+def family_of_config(hf: Mapping[str, Any]) -> Family:
+    """The family of an HF config.json dict, by its model_type (SpecError names the supported ones)."""
+    model_type = hf.get("model_type", "")
+    if model_type not in BY_MODEL_TYPE:
+        raise SpecError(f"config.json model_type {model_type!r} is not supported; "
+                        f"use one of {sorted(BY_MODEL_TYPE)}")
+    return BY_MODEL_TYPE[model_type]
 
 
 def spec_from_hf_config(cfg: dict, arch: str = "") -> ArchSpec:
     """Build the ArchSpec; `arch` defaults to the config's model_type."""
-    name = arch or MODEL_TYPES.get(cfg.get("model_type", ""), "")
-    if name not in ARCHS:
-        raise ValueError(f"architecture {name or cfg.get('model_type')!r} has no HF<->Megatron mapping; "
+    fam = ARCHS.get(arch) if arch else BY_MODEL_TYPE.get(cfg.get("model_type", ""))
+    if fam is None:
+        raise ValueError(f"architecture {arch or cfg.get('model_type')!r} has no HF<->Megatron mapping; "
                          f"fix: use one of {sorted(ARCHS)}")
-    return ARCHS[name].spec_from_hf_config(cfg)
+    return fam.spec(cfg)
 
 
 def spec_from_hf_dir(path: str | Path, arch: str = "") -> ArchSpec:
@@ -28,4 +52,22 @@ def spec_from_hf_dir(path: str | Path, arch: str = "") -> ArchSpec:
     return spec_from_hf_config(json.loads(cfg_path.read_text()), arch)
 
 
-__all__ = ["ARCHS", "ArchSpec", "spec_from_hf_config", "spec_from_hf_dir"]
+def arch_shape(hf: Mapping[str, Any]) -> ArchShape:
+    """The layout-validation numbers of an HF config dict."""
+    fam = family_of_config(hf)
+    return ArchShape(
+        arch=fam.name, num_layers=int(hf["num_hidden_layers"]), hidden_size=int(hf["hidden_size"]),
+        num_heads=int(hf["num_attention_heads"]),
+        num_kv_heads=int(hf_get(hf, "num_key_value_heads", default=hf["num_attention_heads"])),
+        num_experts=int(hf_get(hf, "num_experts", "n_routed_experts", "num_local_experts")),
+        top_k=int(hf["num_experts_per_tok"]), vocab_size=int(hf["vocab_size"]),
+        first_dense_layers=fam.dense_first_layers(hf))
+
+
+def named_shapes() -> dict[str, dict]:
+    """Every family's named full-size shapes (model.shape_preset), in registry order."""
+    return {name: shape for f in FAMILIES for name, shape in f.shapes.items()}
+
+
+__all__ = ["ARCHS", "BY_MODEL_TYPE", "FAMILIES", "ArchShape", "ArchSpec", "Family", "SpecError", "arch_shape",
+           "family", "family_of_config", "named_shapes", "spec_from_hf_config", "spec_from_hf_dir"]
