@@ -5,9 +5,11 @@ import sys
 
 
 def register(sub) -> None:
+    from checkpoints.arch import ARCHS
+
     parser = sub.add_parser("init-model", help="Create a random-weight HF model + local tokenizer (no download)")
     parser.add_argument("out_dir", help="directory to write (config.json, model.safetensors, tokenizer)")
-    parser.add_argument("--arch", default="qwen3_moe", choices=["qwen3_moe", "glm4_moe", "glm5"], help="architecture family")
+    parser.add_argument("--arch", default="qwen3_moe", choices=list(ARCHS), help="architecture family")
     parser.add_argument("--preset", default="tiny", help="shape preset: tiny (4 layers, 8 experts, top-2; GLM: first layer dense) or small (qwen3_moe)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation seed")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="saved dtype")
