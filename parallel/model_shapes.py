@@ -2,9 +2,8 @@
 
 `SHAPES` holds HF-``config.json``-like dicts (HF key names) for the models whose weights are not on
 this machine, gathered from each family's entry in checkpoints/arch (``Family.shapes``); recipes name
-one with ``model.shape_preset``. `count_parameters(cfg)` works on any of
-them and on a real ``config.json`` (the tiny Qwen3-MoE included), so the planner and the tests use one
-counting rule.
+one with ``model.shape_preset``. `count_parameters(cfg)` works on any of them and on a real
+``config.json`` (the tiny Qwen3-MoE included), so the planner and the tests use one counting rule.
 
 Counting rules (untied embeddings; SwiGLU MLP = 3·H·F; shapes from each model's HF config.json and
 transformers configuration class; totals checked against the advertised sizes in tests/unit/test_model_shapes.py):

@@ -6,15 +6,15 @@ lists them and answers every lookup (by recipe `model.arch` name or by HF `model
 | field            | read by                                                   | what for |
 |------------------|-----------------------------------------------------------|----------|
 | model_types      | arch.family_of_config                                     | config.json model_type -> this family |
-| hf_config_class, hf_model_class | tiny_models.build_tiny_model (init-model, test fixtures) | the transformers classes |
+| hf_*_class       | tiny_models.build_tiny_model (init-model, fixtures)       | transformers classes |
 | spec             | name_map / convert / parallel.hf_mapping / sao convert    | ArchSpec: which optional tensors exist |
 | megatron         | parallel/specs.transformer_config                         | TransformerConfig kwargs of this family |
 | mla              | parallel/specs.transformer_config                         | MLATransformerConfig, TE layer spec only |
 | rotary           | parallel/specs.rotary_kwargs                              | GPTModel's RoPE arguments |
-| dense_first_layers | arch.arch_shape (ParallelDims.validate, layout_check)   | leading dense layers |
+| dense_first_layers | arch.arch_shape (ParallelDims.validate, layout_check)   | dense layers first |
 | qk_norm          | spec, parallel/model_shapes (planner counts)              | per-head q/k RMSNorm present |
-| shapes           | parallel/model_shapes.SHAPES (`sao plan`, model.shape_preset) | full-size HF configs |
-| presets          | checkpoints/init_model (`sao init-model --preset`)        | transformers config kwargs |
+| shapes           | parallel/model_shapes.SHAPES (`sao plan`)                 | full-size HF configs |
+| presets          | checkpoints/init_model (`sao init-model --preset`)        | config kwargs |
 
 The module imports neither torch nor transformers, so the CLI can list families cheaply.
 """

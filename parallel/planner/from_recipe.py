@@ -22,7 +22,8 @@ def model_config_of(recipe) -> dict:
         try:
             return get_shape(recipe.model.shape_preset)
         except KeyError as err:
-            raise ConfigError("model.shape_preset", str(err.args[0]), "pick a name from parallel/model_shapes.py") from None
+            raise ConfigError("model.shape_preset", str(err.args[0]),
+                              "pick a listed name (each family's SHAPES in checkpoints/arch/)") from None
     config = Path(recipe.model.path) / "config.json"
     if not config.is_file():
         raise ConfigError("model.path", f"{config} does not exist and model.shape_preset is empty",
