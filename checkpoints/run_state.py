@@ -226,13 +226,20 @@ def _fsync_dir(path: Path) -> None:
 
 
 class RngState:
-    """Python, numpy and torch (CPU, and CUDA when present) generator states as one component."""
+    """Python, numpy and torch (CPU, and CUDA when present and `cuda`) generator states as one component.
+
+    The trainer saves its CPU generators only (cuda=False), as its checkpoints always have: CUDA
+    states are per visible device, and a resume under another layout would set other devices' states.
+    """
+
+    def __init__(self, cuda: bool = True):
+        self.cuda = cuda
 
     def state_dict(self) -> dict:
         import numpy as np
 
         state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
+        if self.cuda and torch.cuda.is_available():
             state["cuda"] = torch.cuda.get_rng_state_all()
         return state
 
@@ -242,7 +249,7 @@ class RngState:
         random.setstate(state["python"])
         np.random.set_state(state["numpy"])
         torch.set_rng_state(state["torch"])
-        if "cuda" in state and torch.cuda.is_available():
+        if self.cuda and "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
 
 

@@ -3,21 +3,22 @@
 Layout: ``<dir>/step_<NNNNNN>.jsonl``, one `Sample.to_dict()` per line, one file per trainer step,
 written to a temporary name and renamed so a crash never leaves a half file.
 
-`SavedRollouts` replays a directory through the same interface the trainer uses on the
-`RolloutDriver` (start / get_batch / weight_update / metrics / state_dict / stop), so
-``run.debug = "train-only"`` only swaps the object. Samples stream across files in step order;
+`DumpingSource` writes every batch another `SampleSource` hands out (run.debug = rollout-only), and
+`SavedRollouts` replays such a directory as a `SampleSource` (rollout/sample_source.py), so
+``run.debug = "train-only"`` only swaps the source. Samples stream across files in step order;
 a batch may span two files when the batch size differs from the one saved. Staleness is not
 re-applied (the samples keep the versions they were generated with).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from pathlib import Path
 from typing import Optional
 
 from sao_megatron.core.records import Sample
+
+from .sample_source import SampleSource
 
 
 class RolloutDumper:
@@ -59,8 +60,36 @@ def load_step(path: Path) -> list[Sample]:
     return samples
 
 
-class SavedRollouts:
-    """Driver-compatible source of saved samples (train-only mode)."""
+class DumpingSource(SampleSource):
+    """`source`, with every batch it hands out saved as the next step file (rollout-only mode)."""
+
+    def __init__(self, source: SampleSource, out_dir: str | Path):
+        self.source, self.dumper, self.batches = source, RolloutDumper(out_dir), 0
+
+    async def start(self) -> None:
+        await self.source.start()
+
+    async def stop(self) -> None:
+        await self.source.stop()
+
+    async def get_batch(self, num_samples: int, current_version: int) -> list[Sample]:
+        samples = await self.source.get_batch(num_samples, current_version)
+        self.dumper.write(self.batches, samples)
+        self.batches += 1
+        return samples
+
+    def metrics(self) -> dict:
+        return self.source.metrics()
+
+    def state_dict(self) -> dict:
+        return self.source.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.source.load_state_dict(state)
+
+
+class SavedRollouts(SampleSource):
+    """Saved samples, in the order they were saved (train-only mode)."""
 
     def __init__(self, in_dir: str | Path):
         self.files = saved_steps(in_dir)
@@ -73,10 +102,6 @@ class SavedRollouts:
 
     async def stop(self) -> None:
         pass
-
-    @contextlib.asynccontextmanager
-    async def weight_update(self, mode: Optional[str] = None, version: Optional[int] = None):
-        yield
 
     async def get_batch(self, num_samples: int, current_version: int) -> list[Sample]:
         batch: list[Sample] = []

@@ -9,12 +9,12 @@ estimator and recipe names to ``fn(cfg, batch: AdvantageBatch) -> (advantages, r
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
 from sao_megatron.core.imports import resolve_import_path
+from sao_megatron.core.records import AdvantageBatch   # the one response-space record, re-exported here
 from sao_megatron.core.config.presets import PRESETS
 
 from . import advantages as adv
@@ -49,19 +49,6 @@ _LOSS_FUNCTIONS: dict[str, Callable] = {
     "dis": _dis, "ppo": _ppo, "gspo": _same_signature(gspo_loss),
     "gspo_token": _same_signature(gspo_token_loss), "cispo": _same_signature(cispo_loss),
 }
-
-
-@dataclass
-class AdvantageBatch:
-    """What an advantage estimator sees (shapes in advantages.py)."""
-
-    token_rewards: torch.Tensor      # [B, T], scalar reward on the last action token
-    mask: torch.Tensor               # [B, T], 1 = action token
-    values: Optional[torch.Tensor]   # [B, T] critic values, or None
-    seq_rewards: torch.Tensor        # [B]
-    group_ids: torch.Tensor          # [B] long
-    response_lengths: torch.Tensor   # [B] action-token counts
-    baseline: Optional[float] = None # running-mean baseline before this batch (estimator 'running_mean')
 
 
 def _gae(cfg, batch: AdvantageBatch):

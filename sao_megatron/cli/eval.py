@@ -56,7 +56,7 @@ async def _evaluate(recipe, episodes: list) -> dict:
     from transformers import AutoTokenizer
 
     from sao_megatron.evaluation.runner import evaluate_all
-    from sao_megatron.trainer.services import start_engines
+    from sao_megatron.trainer.engines import start_engines
 
     tokenizer = AutoTokenizer.from_pretrained(recipe.model.path)
     engines, handles = await start_engines(recipe, recipe.run_dir)

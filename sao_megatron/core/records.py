@@ -11,12 +11,15 @@ Conventions, used everywhere:
   have all-zero columns, which replay never reads.
 - In a TrainBatch, position t of a row holds token t, and per-token values at t (logprob, mask,
   advantage) refer to predicting token t from tokens < t. Position 0 never has a loss.
+- Response space ``[B, R]`` (an AdvantageBatch) has one row per sample: position i is response
+  token i. Response token i of a sample with P prompt tokens sits at t = P + i of its TrainBatch row.
+- Records are built once and never changed: a later stage makes a new one (dataclasses.replace).
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -95,7 +98,7 @@ class Sample:
         return sample
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainBatch:
     """Right-padded rows of whole samples, ready for one micro-batch of the trainer.
 
@@ -121,6 +124,28 @@ class TrainBatch:
     @property
     def num_rows(self) -> int:
         return int(self.tokens.shape[0])
+
+
+def action_counts(batches: Sequence[TrainBatch]) -> tuple[float, float]:
+    """(action tokens, sequences with >= 1 action token) over `batches`: the one place the loss
+    denominators global_num_tokens / global_num_seqs are counted."""
+    tokens = float(sum(b.loss_mask.sum().item() for b in batches))
+    seqs = float(sum(int((b.loss_mask.sum(dim=1) > 0).sum()) for b in batches))
+    return tokens, seqs
+
+
+@dataclass(frozen=True)
+class AdvantageBatch:
+    """What an advantage estimator sees: one row per sample, in response space ``[B, R]``, right-padded
+    to the longest response (shapes in sao_megatron/algorithms/advantages.py)."""
+
+    token_rewards: torch.Tensor      # [B, R], the scalar reward on the last action token
+    mask: torch.Tensor               # [B, R], 1 = action token
+    values: Optional[torch.Tensor]   # [B, R] critic values (0 off the mask), or None
+    seq_rewards: torch.Tensor        # [B]
+    group_ids: torch.Tensor          # [B] long
+    response_lengths: torch.Tensor   # [B] action-token counts
+    baseline: Optional[float] = None # running-mean baseline before this batch (estimator 'running_mean')
 
 
 @dataclass

@@ -1,59 +1,63 @@
-"""Samples -> response-space tensors for the algorithms -> packed TrainBatch micro-batches.
+"""Samples -> TrainBatch micro-batches, packed once; values and advantages attach through the index.
 
 Two index spaces meet here:
 - response space ``[B, R]``: position i is response token i of a sample (what advantages use);
 - sequence space ``[rows, S]``: position t holds token t of prompt+response (what the model sees);
   response token i of a sample with P prompt tokens sits at t = P + i.
+
+`pack_samples` builds the micro-batches once and records where each sample landed (a `Slot`:
+batch, row, and its response span). Critic values computed on those batches come back to response
+space through the index (`gather_responses`); advantages, returns and old values go the other way
+(`with_advantages`), into new batches (records are never changed after construction).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Optional
 
 import torch
 
-from sao_megatron.core.records import Sample, TrainBatch
+from sao_megatron.core.records import AdvantageBatch, Sample, TrainBatch, action_counts
 
 
-@dataclass
-class ResponseTensors:
-    """Per-sample response-space tensors, right-padded to the longest response."""
+@dataclass(frozen=True)
+class Slot:
+    """Where one sample sits: row `row` of micro-batch `batch`, its response at [start, start + length)."""
 
-    mask: torch.Tensor            # [B, R] 1 = action token
-    token_rewards: torch.Tensor   # [B, R] the scalar reward on the last action token
-    rollout_logprobs: torch.Tensor
-    seq_rewards: torch.Tensor     # [B]
-    group_ids: torch.Tensor       # [B] long
-    action_lengths: torch.Tensor  # [B] action tokens per sample
+    batch: int
+    row: int
+    start: int     # = len(prompt_ids)
+    length: int    # = len(response_ids)
 
 
-def response_tensors(samples: list[Sample]) -> ResponseTensors:
+@dataclass(frozen=True)
+class PackedSamples:
+    """One step's micro-batches and, per sample (in the order given), where it sits in them."""
+
+    batches: list[TrainBatch]
+    slots: list[Slot]
+
+    @property
+    def response_width(self) -> int:
+        return max(1, max(slot.length for slot in self.slots))
+
+
+def advantage_batch(samples: list[Sample], values: Optional[torch.Tensor] = None,
+                    baseline: Optional[float] = None) -> AdvantageBatch:
+    """The samples in response space, right-padded to the longest response; `values` [B, R] or None."""
     width = max(1, max(len(s.response_ids) for s in samples))
-    n = len(samples)
-    mask = torch.zeros(n, width)
-    rewards = torch.zeros(n, width)
-    logps = torch.zeros(n, width)
+    mask = torch.zeros(len(samples), width)
+    rewards = torch.zeros(len(samples), width)
     for row, sample in enumerate(samples):
-        length = len(sample.response_ids)
-        mask[row, :length] = torch.tensor(sample.loss_mask, dtype=torch.float32)
-        logps[row, :length] = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
+        mask[row, :len(sample.response_ids)] = torch.tensor(sample.loss_mask, dtype=torch.float32)
         actions = mask[row].nonzero()
         if len(actions):  # the reward sits on the last generated token, never on padding after EOS
             rewards[row, int(actions[-1])] = float(sample.reward or 0.0)
-    return ResponseTensors(
-        mask=mask, token_rewards=rewards, rollout_logprobs=logps,
+    return AdvantageBatch(
+        token_rewards=rewards, mask=mask, values=None if values is None else values * mask,
         seq_rewards=torch.tensor([float(s.reward or 0.0) for s in samples]),
         group_ids=torch.tensor([s.group_id for s in samples], dtype=torch.long),
-        action_lengths=mask.sum(dim=1),
-    )
-
-
-def to_response_space(samples: list[Sample], seq_values: list[torch.Tensor], width: int) -> torch.Tensor:
-    """Gather per-sample sequence-space rows ([S_i]) into response space [B, width]."""
-    out = torch.zeros(len(samples), width)
-    for row, (sample, values) in enumerate(zip(samples, seq_values)):
-        start, length = len(sample.prompt_ids), len(sample.response_ids)
-        out[row, :length] = values[start:start + length]
-    return out
+        response_lengths=mask.sum(dim=1), baseline=baseline)
 
 
 def plan_micro_batches(samples: list[Sample], token_budget: int) -> list[list[int]]:
@@ -78,64 +82,83 @@ def plan_micro_batches(samples: list[Sample], token_budget: int) -> list[list[in
     return groups
 
 
-def build_train_batch(samples: list[Sample], advantages: torch.Tensor, returns: torch.Tensor | None,
-                      indices: list[int], *, global_num_tokens: float, global_num_seqs: float,
-                      with_routes: bool) -> TrainBatch:
-    """One micro-batch in sequence space; `advantages`/`returns` are response-space [B, R] for all samples."""
-    rows = [samples[i] for i in indices]
-    seq = max(s.num_tokens for s in rows)
-    n = len(rows)
+def pack_samples(samples: list[Sample], token_budget: int, with_routes: bool = True) -> PackedSamples:
+    """The step's micro-batches (advantages and returns still zero) and each sample's slot in them;
+    every batch carries the step's action-token and sequence counts (the loss denominators)."""
+    batches, slots = [], [None] * len(samples)
+    for b, group in enumerate(plan_micro_batches(samples, token_budget)):
+        batches.append(_sequence_rows([samples[i] for i in group], with_routes))
+        for row, index in enumerate(group):
+            sample = samples[index]
+            slots[index] = Slot(b, row, len(sample.prompt_ids), len(sample.response_ids))
+    return PackedSamples(with_counts(batches), slots)
+
+
+def _sequence_rows(rows: list[Sample], with_routes: bool) -> TrainBatch:
+    """One micro-batch of whole samples in sequence space, right-padded to its longest row."""
+    seq, n = max(s.num_tokens for s in rows), len(rows)
     tokens = torch.zeros(n, seq, dtype=torch.long)
-    fields = {name: torch.zeros(n, seq) for name in ("loss_mask", "rollout_logprobs", "advantages", "returns")}
+    mask, logps = torch.zeros(n, seq), torch.zeros(n, seq)
     versions = torch.full((n, seq), -1, dtype=torch.long)
     routes = None
     if with_routes and all(s.routed_experts is not None for s in rows):
         layers, topk = rows[0].routed_experts.shape[1:]
         routes = torch.full((n, seq, layers, topk), -1, dtype=torch.int32)
-    for r, (sample, index) in enumerate(zip(rows, indices)):
-        prompt, length = len(sample.prompt_ids), len(sample.response_ids)
-        span = slice(prompt, prompt + length)
+    for r, sample in enumerate(rows):
+        span = slice(len(sample.prompt_ids), sample.num_tokens)
         tokens[r, :sample.num_tokens] = torch.tensor(sample.prompt_ids + sample.response_ids)
-        fields["loss_mask"][r, span] = torch.tensor(sample.loss_mask, dtype=torch.float32)
-        fields["rollout_logprobs"][r, span] = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
-        fields["advantages"][r, span] = advantages[index, :length]
-        if returns is not None:
-            fields["returns"][r, span] = returns[index, :length]
+        mask[r, span] = torch.tensor(sample.loss_mask, dtype=torch.float32)
+        logps[r, span] = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
         versions[r, span] = torch.tensor(sample.weight_versions, dtype=torch.long)
         if routes is not None:
             routes[r, :sample.num_tokens - 1] = sample.routed_experts
-    return TrainBatch(
-        tokens=tokens, lengths=torch.tensor([s.num_tokens for s in rows]), weight_versions=versions,
-        sample_uids=[s.uid for s in rows], routed_experts=routes,
-        global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs, **fields,
-    )
+    return TrainBatch(tokens=tokens, lengths=torch.tensor([s.num_tokens for s in rows]), loss_mask=mask,
+                      rollout_logprobs=logps, advantages=torch.zeros(n, seq), returns=torch.zeros(n, seq),
+                      weight_versions=versions, sample_uids=[s.uid for s in rows], routed_experts=routes)
 
 
-def build_train_batches(samples: list[Sample], advantages: torch.Tensor, returns: torch.Tensor | None,
-                        token_budget: int, with_routes: bool = True) -> list[TrainBatch]:
-    mask_tokens = sum(sum(s.loss_mask) for s in samples)
-    seqs = sum(1 for s in samples if any(s.loss_mask))
-    return [build_train_batch(samples, advantages, returns, group, global_num_tokens=float(mask_tokens),
-                              global_num_seqs=float(seqs), with_routes=with_routes)
-            for group in plan_micro_batches(samples, token_budget)]
+def with_counts(batches: list[TrainBatch]) -> list[TrainBatch]:
+    """The batches, each told the action-token and sequence counts of all of them together."""
+    tokens, seqs = action_counts(batches)
+    return [replace(b, global_num_tokens=tokens, global_num_seqs=seqs) for b in batches]
+
+
+def gather_responses(packed: PackedSamples, per_batch: list[torch.Tensor]) -> torch.Tensor:
+    """Per-batch sequence-space tensors ([rows, S] each) -> response space [B, R] through the index."""
+    out = torch.zeros(len(packed.slots), packed.response_width)
+    for i, slot in enumerate(packed.slots):
+        out[i, :slot.length] = per_batch[slot.batch][slot.row, slot.start:slot.start + slot.length]
+    return out
+
+
+def with_advantages(packed: PackedSamples, advantages: torch.Tensor, returns: Optional[torch.Tensor],
+                    old_values: Optional[torch.Tensor]) -> list[TrainBatch]:
+    """New batches carrying the response-space [B, R] advantages, returns and old values of each sample."""
+    per_field = {"advantages": advantages, "returns": returns, "old_values": old_values}
+    out = []
+    for b, batch in enumerate(packed.batches):
+        rows = [(i, s) for i, s in enumerate(packed.slots) if s.batch == b]
+        changes = {name: _scatter(batch.returns, rows, values) for name, values in per_field.items()
+                   if values is not None}
+        out.append(replace(batch, **changes))
+    return out
+
+
+def _scatter(like: torch.Tensor, rows: list[tuple[int, Slot]], values: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(like)
+    for index, slot in rows:
+        out[slot.row, slot.start:slot.start + slot.length] = values[index, :slot.length]
+    return out
 
 
 def split_rows(batch: TrainBatch, parts: int) -> list[TrainBatch]:
     """Split one micro-batch by rows into up to `parts` micro-batches (global counts unchanged)."""
-    import dataclasses
-
     bounds = torch.linspace(0, batch.num_rows, min(parts, batch.num_rows) + 1).round().long().tolist()
     out = []
     for start, stop in zip(bounds[:-1], bounds[1:]):
-        fields = {}
-        for f in dataclasses.fields(batch):
-            value = getattr(batch, f.name)
-            if isinstance(value, torch.Tensor):
-                value = value[start:stop]
-            elif isinstance(value, list):
-                value = value[start:stop]
-            fields[f.name] = value
-        out.append(TrainBatch(**fields))
+        sliced = {f.name: getattr(batch, f.name)[start:stop] for f in fields(batch)
+                  if isinstance(getattr(batch, f.name), (torch.Tensor, list))}
+        out.append(replace(batch, **sliced))
     return out
 
 

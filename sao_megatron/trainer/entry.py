@@ -58,21 +58,27 @@ def launch_local_ranks(recipe: Recipe, resolved: Path, world: int) -> int:
 
 
 def run_rank(recipe: Recipe) -> int:
-    """One trainer rank: join the process group, build services, run the loop."""
+    """One trainer rank: join the process group, build the components, run the loop."""
     from parallel.distributed import init_distributed, single_process_port
-
-    from .loop import Trainer
-    from .services import Services
 
     single_process_port()
     env = init_distributed("auto")
-    rank, world = env.rank, env.world_size
-    trainer = Trainer(recipe, Services(recipe, rank=rank, world_size=world))
-    asyncio.run(trainer.train())
-    if rank == 0:
-        print(f"done: {trainer.step} steps, weight version {trainer.version}; run dir {recipe.run_dir}",
+    state = asyncio.run(_train(recipe, env.rank, env.world_size))
+    if env.rank == 0:
+        print(f"done: {state.step} steps, weight version {state.version}; run dir {recipe.run_dir}",
               file=sys.stderr)
     return 0
+
+
+async def _train(recipe: Recipe, rank: int, world_size: int):
+    from .components import build_components
+    from .loop import Trainer
+    from .state import TrainerState
+
+    state = TrainerState()
+    async with build_components(recipe, rank, world_size) as parts:
+        await Trainer(recipe, parts, state).train()
+    return state
 
 
 def rank_main(argv: list[str] | None = None) -> int:

@@ -4,34 +4,30 @@ updates -> one policy update (DIS) -> weight broadcast -> log -> checkpoint.
 Baselines (grpo, gspo, dapo, ppo, ...) run through the same loop; the recipe's algorithm preset picks
 the advantage estimator and the loss, and group mode asks the driver for n rollouts per prompt.
 Rank 0 drives rollouts and engines; with several trainer ranks it shares each batch of samples with
-the others, and every rank runs the model steps.
+the others, and every rank runs the model steps. What the loop talks to comes built in `Components`
+(components.py); where the run is lives in `TrainerState` (state.py), which checkpoints save.
 """
 from __future__ import annotations
 
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
-
-import torch
+from dataclasses import replace
 
 from sao_megatron.core.config import Recipe
-from sao_megatron.core.records import Sample
+from sao_megatron.core.records import Sample, TrainBatch
 
 from . import steps
-from .batching import build_train_batches, response_tensors
-from .services import Services
+from .batching import advantage_batch, gather_responses, pack_samples, with_advantages, with_counts
+from .checkpointing import checkpoint_parts, report_resume
+from .components import Components
+from .state import TrainerState, total_steps, warmup_steps
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, services: Services):
-        self.recipe = recipe
-        self.services = services
-        self.step = 0                     # iterations done (critic warm-up included)
-        self.version = 0                  # weight version the engines serve
-        self.baseline = None              # running-mean reward baseline (advantage 'running_mean')
-        self.warmup = recipe.critic.warmup_steps if recipe.critic.enabled else 0
-        self.total = self.warmup + recipe.run.num_steps
-        self.trains = recipe.run.debug != "rollout-only"   # rollout-only: collect and save, never update
+    def __init__(self, recipe: Recipe, parts: Components, state: TrainerState):
+        self.recipe, self.parts, self.state = recipe, parts, state
+        self.warmup, self.total = warmup_steps(recipe), total_steps(recipe)
         # One thread runs every model call, so the event loop keeps requests flowing meanwhile.
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="model", initializer=_enter_shim)
 
@@ -39,84 +35,112 @@ class Trainer:
         return await asyncio.get_running_loop().run_in_executor(self._model_thread, fn, *args)
 
     async def train(self) -> None:
+        parts, state = self.parts, self.state
         try:
-            await self.services.start(self)   # inside: a failed start still stops what it started
+            await self.resume_and_start()
             await self.pretrain_value_model()
-            while self.step < self.total and not self.services.preemption_requested():
+            while state.step < self.total and not parts.checkpoints.preemption_requested():
                 started = time.perf_counter()
-                samples = await self.services.collect(self.recipe.rollout.batch_size, self.version)
-                stats = steps.rollout_metrics(samples, self.version)
-                if self.trains:
+                samples = await self.collect()
+                stats = steps.rollout_metrics(samples, state.version)
+                if parts.trains:
                     batches, prepared = await self.prepare(samples)
                     stats |= prepared | await self.update_critic(batches)
-                    if self.step >= self.warmup:
+                    if state.step >= self.warmup:
                         stats |= await self.update_policy(batches)
-                        stats |= await self.services.sync_weights(self.version + 1)
-                        self.version += 1
-                self.step += 1
+                        stats |= await parts.weights.sync(state.version + 1)
+                        state.version += 1
+                state.step += 1
                 stats["perf/step_time_s"] = time.perf_counter() - started
-                stats |= await self.services.maybe_evaluate(self.step)
-                self.services.log(stats, self.step)
-                await self.services.maybe_checkpoint(self.step, final=self.step == self.total)
+                stats |= await self.maybe_evaluate()
+                self.log(stats, state.step)
+                await parts.checkpoints.maybe_save(state.step, state.step == self.total, checkpoint_parts(parts, state))
         finally:
-            await self.services.stop()
             self._model_thread.shutdown()
 
-    async def prepare(self, samples: list[Sample]):
-        """Critic values -> advantages and returns -> packed micro-batches."""
-        resp = response_tensors(samples)
-        seq_values = None
-        if self.services.critic is not None:
-            await self.make_resident("critic")
-            probe = build_train_batches(samples, torch.zeros_like(resp.mask), None,
-                                        self.recipe.parallel.micro_batch_tokens)
-            seq_values = _rows_by_uid(probe, await self.on_model_thread(self.services.critic.compute_values, probe))
-            seq_values = [seq_values[s.uid] for s in samples]
-        advantages, returns, values, metrics = steps.compute_step_advantages(self.recipe.algorithm, samples, resp,
-                                                                            seq_values, self.baseline)
-        self.baseline = metrics.get("running_baseline", self.baseline)
-        batches = build_train_batches(samples, advantages, returns, self.recipe.parallel.micro_batch_tokens)
-        if values is not None:
-            _attach_old_values(batches, samples, values)
-        return batches, steps.prefixed("train", metrics)
+    async def resume_and_start(self) -> None:
+        """Continue from the latest checkpoint (if any), give the engines its weights, then start rollouts."""
+        loaded = self.parts.checkpoints.resume(checkpoint_parts(self.parts, self.state))
+        report_resume(loaded, self.state, self.parts.rank)
+        if loaded is not None:
+            await self.parts.weights.after_resume(self.state.version)
+        if self.parts.samples is not None:
+            await self.parts.samples.start()
 
-    async def update_critic(self, batches) -> dict:
-        critic = self.services.critic
+    async def collect(self) -> list[Sample]:
+        """Rank 0 gets finished samples from its sample source; the other ranks receive them."""
+        samples = None
+        if self.parts.samples is not None:
+            samples = await self.parts.samples.get_batch(self.recipe.rollout.batch_size, self.state.version)
+        return _share(samples, self.parts.world_size)
+
+    async def prepare(self, samples: list[Sample]):
+        """Pack the samples once -> critic values on those batches -> advantages -> the batches with them."""
+        packed = pack_samples(samples, self.recipe.parallel.micro_batch_tokens)
+        values = None
+        if self.parts.critic is not None:
+            await self.make_resident("critic")
+            values = gather_responses(packed, await self.on_model_thread(self.parts.critic.compute_values,
+                                                                         packed.batches))
+        inputs = advantage_batch(samples, values, self.state.baseline)
+        advantages, returns, metrics = steps.compute_step_advantages(self.recipe.algorithm, inputs)
+        self.state.baseline = metrics.get("running_baseline", self.state.baseline)
+        return with_advantages(packed, advantages, returns, inputs.values), steps.prefixed("train", metrics)
+
+    async def update_critic(self, batches: list[TrainBatch]) -> dict:
+        critic = self.parts.critic
         if critic is None:
             return {}
         loss_fn = steps.value_loss_fn(self.recipe.critic)
         stats = {}
         for _ in range(self.recipe.critic.updates_per_step):   # two-timescale: K critic updates
-            stats = await self.on_model_thread(critic.train_step, self.services.my_share(batches), loss_fn)
+            stats = await self.on_model_thread(critic.train_step, _my_share(batches), loss_fn)
         return steps.prefixed("critic", stats)
 
-    async def update_policy(self, batches) -> dict:
-        policy, algo = self.services.policy, self.recipe.algorithm
+    async def update_policy(self, batches: list[TrainBatch]) -> dict:
+        policy, algo = self.parts.policy, self.recipe.algorithm
         await self.make_resident("policy")
         if algo.loss != "dis" and algo.mini_batches > 1:  # PPO-style losses need pi_old before any update
-            for batch, (logp, _) in zip(batches, await self.on_model_thread(policy.compute_logprobs, batches)):
-                batch.old_logprobs = logp
+            logps = await self.on_model_thread(policy.compute_logprobs, batches)
+            batches = [replace(batch, old_logprobs=logp) for batch, (logp, _) in zip(batches, logps)]
         loss_fn = steps.policy_loss_fn(algo, norm_len=float(self.recipe.rollout.max_new_tokens))
         stats = {}
         for part in _split(batches, algo.mini_batches):
-            _rescale(part)
-            stats = await self.on_model_thread(policy.train_step, self.services.my_share(part), loss_fn)
+            # each mini-batch is its own optimizer step: its loss normalises by its own token count
+            stats = await self.on_model_thread(policy.train_step, _my_share(with_counts(part)), loss_fn)
         return steps.prefixed("train", stats)
 
     async def make_resident(self, role: str) -> None:
         """critic.placement = swap: park the other model in host memory (it comes back when next used)."""
-        if self.recipe.critic.placement != "swap" or self.services.critic is None:
+        if self.recipe.critic.placement != "swap" or self.parts.critic is None:
             return
-        other = self.services.policy if role == "critic" else self.services.critic
+        other = self.parts.policy if role == "critic" else self.parts.critic
         await self.on_model_thread(other.park)
 
     async def pretrain_value_model(self) -> None:
         """Value pretraining on the initial policy's rollouts (critic only, weights never change)."""
-        for index in range(self.recipe.critic.pretrain_steps if self.services.critic else 0):
-            samples = await self.services.collect(self.recipe.rollout.batch_size, self.version)
+        for index in range(self.recipe.critic.pretrain_steps if self.parts.critic else 0):
+            samples = await self.collect()
             batches, _ = await self.prepare(samples)
             stats = await self.update_critic(batches)
-            self.services.log({f"pretrain/{k.split('/')[-1]}": v for k, v in stats.items()}, -(index + 1))
+            self.log({f"pretrain/{k.split('/')[-1]}": v for k, v in stats.items()}, -(index + 1))
+
+    async def maybe_evaluate(self) -> dict:
+        """eval/<set>/avg@k and pass@k on the engines' current weights, every eval.interval steps."""
+        cfg, step = self.recipe.eval, self.state.step
+        if not (self.parts.engines and cfg.interval and cfg.datasets and step % cfg.interval == 0):
+            return {}
+        from sao_megatron.evaluation.runner import evaluate_all
+
+        return await evaluate_all(self.parts.engines, self.parts.tokenizer, cfg, self.recipe.rollout,
+                                  seed=self.recipe.run.seed)
+
+    def log(self, metrics: dict, step: int) -> None:
+        if self.parts.sink is None:
+            return
+        if self.parts.samples is not None:
+            metrics = {**self.parts.samples.metrics(), **metrics}
+        self.parts.sink.log(metrics, step)
 
 
 def _enter_shim() -> None:
@@ -125,35 +149,27 @@ def _enter_shim() -> None:
     enter_shim_in_this_thread()
 
 
-def _rows_by_uid(batches, per_batch) -> dict:
-    out = {}
-    for batch, values in zip(batches, per_batch):
-        for row, uid in enumerate(batch.sample_uids):
-            out[uid] = values[row]
-    return out
+def _share(samples, world_size: int):
+    if world_size == 1:
+        return samples
+    import torch.distributed as dist
+
+    box = [samples]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
-def _attach_old_values(batches, samples, values) -> None:
-    index = {s.uid: i for i, s in enumerate(samples)}
-    for batch in batches:
-        old = torch.zeros_like(batch.returns)
-        for row, uid in enumerate(batch.sample_uids):
-            sample = samples[index[uid]]
-            start, length = len(sample.prompt_ids), len(sample.response_ids)
-            old[row, start:start + length] = values[index[uid], :length]
-        batch.old_values = old
+def _my_share(batches: list[TrainBatch]) -> list[TrainBatch]:
+    """The micro-batches this data-parallel rank trains on (forward-only passes see them all)."""
+    from parallel.distributed import data_parallel_coords
+
+    from .batching import shard_for_data_parallel
+
+    return shard_for_data_parallel(batches, *data_parallel_coords())
 
 
-def _split(batches, parts: int):
+def _split(batches: list[TrainBatch], parts: int) -> list[list[TrainBatch]]:
     """Mini-batches: contiguous groups of micro-batches, one optimizer step each."""
     parts = max(1, min(parts, len(batches)))
     size = -(-len(batches) // parts)
     return [batches[i:i + size] for i in range(0, len(batches), size)]
-
-
-def _rescale(part) -> None:
-    """Each mini-batch is its own optimizer step: its loss normalises by its own global token count."""
-    tokens = float(sum(b.loss_mask.sum().item() for b in part))
-    seqs = float(sum(int((b.loss_mask.sum(dim=1) > 0).sum()) for b in part))
-    for batch in part:
-        batch.global_num_tokens, batch.global_num_seqs = tokens, seqs

@@ -4,23 +4,16 @@ from __future__ import annotations
 import torch
 
 from sao_megatron.core.config import AlgorithmConfig, CriticConfig
-from sao_megatron.core.records import LossInputs, LossOutputs, Sample, TrainBatch
-
-from .batching import ResponseTensors, to_response_space
+from sao_megatron.core.records import AdvantageBatch, LossInputs, LossOutputs, Sample, TrainBatch
 
 
-def compute_step_advantages(cfg: AlgorithmConfig, samples: list[Sample], resp: ResponseTensors,
-                            seq_values: list[torch.Tensor] | None, baseline: float | None = None):
-    """Advantages [B, R] and critic returns [B, R] (or None) for one batch of samples."""
+def compute_step_advantages(cfg: AlgorithmConfig, batch: AdvantageBatch):
+    """Advantages [B, R], critic returns [B, R] (or None) and metrics for one batch of samples."""
     from sao_megatron.algorithms import compute_advantages
 
-    values = None
-    if seq_values is not None:
-        values = to_response_space(samples, seq_values, resp.mask.shape[1]) * resp.mask
-    advantages, returns, metrics = compute_advantages(
-        cfg, token_rewards=resp.token_rewards, mask=resp.mask, values=values, seq_rewards=resp.seq_rewards,
-        group_ids=resp.group_ids, response_lengths=resp.action_lengths, baseline=baseline)
-    return advantages, returns, values, metrics
+    return compute_advantages(cfg, token_rewards=batch.token_rewards, mask=batch.mask, values=batch.values,
+                              seq_rewards=batch.seq_rewards, group_ids=batch.group_ids,
+                              response_lengths=batch.response_lengths, baseline=batch.baseline)
 
 
 def policy_loss_fn(cfg: AlgorithmConfig, norm_len: float):

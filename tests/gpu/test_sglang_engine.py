@@ -26,9 +26,9 @@ def server(tiny_model_dir, tmp_path_factory):
 
 
 def _client(server, tiny_model_dir):
-    """The client as the trainer builds it (services.engine_clients: routes' shape from config.json)."""
+    """The client as the trainer builds it (engines.engine_clients: routes' shape from config.json)."""
     from sao_megatron.core.config import load_recipe
-    from sao_megatron.trainer.services import engine_clients
+    from sao_megatron.trainer.engines import engine_clients
 
     recipe = load_recipe(None, [f"model.path='{tiny_model_dir}'", "rollout.engine='sglang'"])
     return engine_clients(recipe, [server.url], "k")[0]

@@ -1,4 +1,4 @@
-"""The trainer's weight-update window (sao_megatron/trainer/services.py) and the rollout driver's part
+"""The trainer's weight-update window (sao_megatron/trainer/weight_updates.py) and the rollout driver's part
 in it, against fake engines that record their control calls in order:
 pause -> one session per engine -> every sender -> session closed -> prefix cache settled -> continue;
 a failure of the driver rank or of any rank's push reaches every rank (2 gloo ranks)."""
@@ -15,10 +15,9 @@ from parallel.distributed import DistributedTestError, run_distributed_test
 from rollout.driver import RolloutDriver
 from rollout.prompts import build_prompt_source
 from rollout.rewards import resolve_reward_fn
+from rollout.scripted_engine import ScriptedEngine as FakeEngine
 from sao_megatron.core.config.schema import RolloutConfig
-from sao_megatron.trainer.services import Services
-
-from fake_engine import FakeEngine
+from sao_megatron.trainer.weight_updates import WeightUpdates, new_weight_sync
 
 TOK = build_tokenizer()
 
@@ -56,17 +55,13 @@ class SessionSync:
             e.version = version
 
 
-def _services(engines, driver, mode="in_place", fail=False):
-    """A one-rank Services with only what the window touches."""
-    services = Services.__new__(Services)
-    services.rank, services.world_size, services.is_driver = 0, 1, True
-    services.engines, services.driver = engines, driver
-    services.weight_sync = SessionSync(engines, fail)
-    services.policy = SimpleNamespace(export_hf=lambda scope="all": iter([("w", None)] * 3))
-    services.recipe = SimpleNamespace(weight_sync=SimpleNamespace(pause_mode=mode, timeout_s=30.0, check_equal=False,
-                                                                  method="broadcast", senders="per_stage"),
-                                      parallel=SimpleNamespace(pp=1), run=SimpleNamespace(debug="none"))
-    return services
+def _services(engines, driver, mode="in_place", fail=False, rank=0, world_size=1, sender=None):
+    """A WeightUpdates with only what the window touches."""
+    policy = SimpleNamespace(export_hf=lambda scope="all": iter([("w", None)] * 3))
+    recipe = SimpleNamespace(weight_sync=SimpleNamespace(pause_mode=mode, timeout_s=30.0, check_equal=False,
+                                                         method="broadcast", senders="per_stage"),
+                             parallel=SimpleNamespace(pp=1), run=SimpleNamespace(debug="none"))
+    return WeightUpdates(recipe, policy, engines, driver, sender or SessionSync(engines, fail), rank, world_size)
 
 
 @pytest.mark.parametrize("mode, flushed", [("in_place", False), ("retract", True), ("abort", True)])
@@ -145,10 +140,8 @@ def _two_rank_window(fail_rank: int) -> str:
 
     rank = dist.get_rank()
     engines = [FakeEngine("e0")]
-    services = _services(engines, None, fail=rank == fail_rank)
-    services.rank, services.world_size, services.is_driver = rank, 2, rank == 0
-    if rank != 0:
-        services.weight_sync = SessionSync([FakeEngine("stage-sender-view")], fail=rank == fail_rank)
+    sender = SessionSync([FakeEngine("stage-sender-view")], fail=rank == fail_rank) if rank != 0 else None
+    services = _services(engines, None, fail=rank == fail_rank, rank=rank, world_size=2, sender=sender)
     if fail_rank == 0:
         async def broken(window, version, pause):
             raise ConnectionError("engine e0: /begin_weight_update failed")
@@ -177,22 +170,20 @@ def test_engines_are_built_from_the_recipe(tiny_model_dir, tmp_path, monkeypatch
     engine; the clients know the routes' shape from config.json (SGLang's /model_info does not say)."""
     import rollout.reference_server as reference_server
     from sao_megatron.core.config import load_recipe
-    from sao_megatron.trainer import services as services_mod
+    from sao_megatron.trainer import engines as engines_mod
 
     launched = []
     monkeypatch.setattr(reference_server, "launch_local", lambda *a, **kw: launched.append(kw.get("extra_args")))
     recipe = load_recipe(None, [f"model.path='{tiny_model_dir}'", "rollout.engine_tp=2"])
-    services_mod._launch_engine(recipe, 0, "k", tmp_path)
+    engines_mod._launch_engine(recipe, 0, "k", tmp_path)
     recipe_tp1 = load_recipe(None, [f"model.path='{tiny_model_dir}'"])
-    services_mod._launch_engine(recipe_tp1, 1, "k", tmp_path)
+    engines_mod._launch_engine(recipe_tp1, 1, "k", tmp_path)
     assert launched == [["--tp", "2"], None]
 
-    clients = services_mod.engine_clients(recipe, ["http://127.0.0.1:1", "http://127.0.0.1:2"], "k")
+    clients = engines_mod.engine_clients(recipe, ["http://127.0.0.1:1", "http://127.0.0.1:2"], "k")
     assert [(c.moe_topk, c.num_layers) for c in clients] == [(2, 4), (2, 4)]
-    services = Services.__new__(Services)
-    services.recipe, services.engines, services.run_dir = recipe, clients, tmp_path
-    sync = services._new_weight_sync(stage=1)
-    assert sync.engine_ranks == [2, 2] and sync.rank_offsets() == [1, 3] and sync.stage == 1 and not sync.manage_pause
+    sync = new_weight_sync(recipe, clients, stage=1)
+    assert sync.engine_ranks == [2, 2] and sync.rank_offsets() == [1, 3] and sync.stage == 1
 
 
 def test_engine_tp_below_one_is_refused_by_name(tiny_model_dir):

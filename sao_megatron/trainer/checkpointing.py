@@ -1,0 +1,58 @@
+"""Run checkpoints from the loop's side: what a checkpoint holds, when one is due, and the resume."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+from sao_megatron.core.config import Recipe
+
+
+class Checkpoints:
+    """Saves every checkpoint.interval steps, at the last step and on a preemption signal (never in the
+    debug modes: `saves` False); resumes per checkpoint.resume. Components go by name: policy, critic,
+    driver (the sample source, rank 0), trainer (TrainerState), rng."""
+
+    def __init__(self, recipe: Recipe, rank: int, world_size: int, saves: bool):
+        from checkpoints.preemption import install_preemption_handlers
+        from checkpoints.run_state import RunCheckpointer
+
+        if recipe.checkpoint.save_on_signal:
+            install_preemption_handlers()
+        self.cfg, self.world_size, self.saves = recipe.checkpoint, world_size, saves
+        self.checkpointer = RunCheckpointer(recipe.run_dir / "checkpoints", keep_last=self.cfg.keep_last,
+                                            rank=rank, world_size=world_size)
+
+    async def maybe_save(self, step: int, final: bool, parts: dict) -> None:
+        due = final or (self.cfg.interval and step % self.cfg.interval == 0) or self.preemption_requested()
+        if due and self.saves:
+            self.checkpointer.save(step, parts)
+
+    def resume(self, parts: dict) -> Optional[Path]:
+        """Load the checkpoint checkpoint.resume names (auto: the latest, if any) into `parts`."""
+        if self.cfg.resume == "never":
+            return None
+        return self.checkpointer.load(parts, path=None if self.cfg.resume == "auto" else Path(self.cfg.resume))
+
+    def preemption_requested(self) -> bool:
+        from checkpoints.preemption import should_checkpoint_and_exit
+
+        # With several ranks a signal may reach only some of them: agree, so all stop at the same step.
+        return should_checkpoint_and_exit(sync=self.world_size > 1)
+
+
+def checkpoint_parts(components, state) -> dict:
+    """What one checkpoint holds on this rank (names are the files' names: keep them stable)."""
+    from checkpoints.run_state import RngState
+
+    parts = {"policy": components.policy, "trainer": state, "rng": RngState(cuda=False)}
+    if components.critic is not None:
+        parts["critic"] = components.critic
+    if components.samples is not None:
+        parts["driver"] = components.samples
+    return parts
+
+
+def report_resume(loaded: Optional[Path], state, rank: int) -> None:
+    if loaded is not None and rank == 0:
+        print(f"resumed from {loaded} at step {state.step}, weight version {state.version}", file=sys.stderr)

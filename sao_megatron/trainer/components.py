@@ -1,0 +1,154 @@
+"""What the loop talks to, built once from the recipe: `build_components(recipe, rank, world_size)`.
+
+The debug modes are decided here and nowhere else: rollout-only gets a sample source that saves
+each batch, no critic, no weight updates and no training; train-only gets the saved rollouts as its
+sample source and no engines. Rank 0 owns the rollout side (engines, sample source, metric sink).
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Optional, Union
+
+import numpy as np
+import torch
+
+from rollout.sample_source import SampleSource
+from sao_megatron.core.config import Recipe
+from sao_megatron.metrics import MetricSink
+
+from .checkpointing import Checkpoints
+from .weight_updates import NoWeightUpdates, WeightUpdates
+
+
+@dataclass(frozen=True)
+class Components:
+    """This rank's collaborators of the loop; none of them knows the loop."""
+
+    rank: int
+    world_size: int
+    policy: Any                          # parallel.rl_model.RLModel
+    critic: Optional[Any]                # RLModel, or None (critic off, or rollout-only)
+    samples: Optional[SampleSource]      # rank 0 (the others receive its batches), else None
+    weights: Union[WeightUpdates, NoWeightUpdates]
+    checkpoints: Checkpoints
+    trains: bool                         # False for rollout-only: collect and save, never update
+    sink: Optional[MetricSink] = None    # rank 0
+    tokenizer: Optional[Any] = None      # rank 0
+    engines: list = field(default_factory=list)   # rank 0's engine clients (evaluation runs on them)
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+
+@contextlib.asynccontextmanager
+async def build_components(recipe: Recipe, rank: int = 0, world_size: int = 1) -> AsyncIterator[Components]:
+    """Build every component; on the way out (or when a later one fails to build) stop what was built:
+    the sample source, then the engines, then the sink."""
+    _seed_everything(recipe.run.seed + rank)
+    debug = recipe.run.debug
+    async with contextlib.AsyncExitStack() as stack:
+        policy, critic = _build_models(recipe, with_critic=debug != "rollout-only")
+        tokenizer = sink = samples = None
+        engines = []
+        if rank == 0:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(recipe.model.path)
+            sink = _build_sink(recipe, stack)
+            if debug == "train-only":
+                from rollout.dump import SavedRollouts
+
+                samples = SavedRollouts(recipe.run.debug_dir)
+            else:
+                engines, samples = await _build_rollout(recipe, tokenizer, stack)
+        driver = samples
+        if debug == "rollout-only":
+            from rollout.dump import DumpingSource
+
+            samples = DumpingSource(samples, recipe.run_dir / "rollouts")
+        weights = NoWeightUpdates()
+        if debug == "none":
+            from .weight_updates import build_weight_updates
+
+            weights = build_weight_updates(recipe, policy, engines, driver, rank, world_size)
+        checkpoints = Checkpoints(recipe, rank, world_size, saves=debug == "none")
+        if samples is not None:
+            stack.push_async_callback(samples.stop)
+        yield Components(rank, world_size, policy, critic, samples, weights, checkpoints, trains=debug != "rollout-only",
+                         sink=sink, tokenizer=tokenizer, engines=engines)
+
+
+def _build_models(recipe: Recipe, with_critic: bool):
+    from parallel.rl_model import RLModel
+    from safetensors.torch import load_file
+
+    hf = {}
+    for shard in sorted(Path(recipe.model.path).glob("*.safetensors")):
+        hf.update(load_file(shard))
+    policy = RLModel.build(recipe, "policy")
+    policy.load_hf_state_dict(hf)
+    critic = None
+    if recipe.critic.enabled and with_critic:
+        critic = RLModel.build(recipe, "critic")
+        if recipe.critic.init_from_policy:
+            critic.load_hf_state_dict(hf)
+    return policy, critic
+
+
+async def _build_rollout(recipe: Recipe, tokenizer, stack: contextlib.AsyncExitStack):
+    """Rank 0's engines (closed, and stopped if started here, on the way out) and the rollout driver."""
+    from rollout.driver import RolloutDriver
+    from rollout.prompts import build_prompt_source
+    from rollout.rewards import resolve_reward_fn
+
+    from .engines import start_engines
+
+    rollout = recipe.rollout
+    engines, handles = await start_engines(recipe, recipe.run_dir)
+    for handle in handles:   # the engine processes never outlive the run
+        stack.callback(handle.stop)
+    for engine in engines:
+        stack.push_async_callback(engine.close)
+    source = build_prompt_source(rollout, tokenizer, seed=recipe.run.seed, switch_every=rollout.env_switch_every)
+    filters = []
+    if recipe.algorithm.dynamic_sampling:  # DAPO: drop groups whose rewards are all equal
+        from rollout.buffer import nonzero_reward_variance
+
+        filters.append(nonzero_reward_variance)
+    driver = RolloutDriver(engines, source, resolve_reward_fn(rollout), rollout, tokenizer,
+                           seed=recipe.run.seed, filters=filters)
+    return engines, driver
+
+
+def _build_sink(recipe: Recipe, stack: contextlib.AsyncExitStack):
+    """The metric sink (wandb resumes its run id from the run dir); closed last, curves plotted then."""
+    from sao_megatron.metrics import build_metric_sink
+
+    from .state import total_steps
+
+    marker = recipe.run_dir / "wandb_run_id"
+    resume_id = marker.read_text().strip() if marker.exists() else ""
+    sink = build_metric_sink(recipe.logging, recipe.run.name, recipe.run_dir, total_steps(recipe),
+                             recipe.to_dict(), resume_id=resume_id)
+    if sink.run_id:
+        marker.write_text(sink.run_id)
+    stack.callback(_close_sink, recipe, sink)
+    return sink
+
+
+def _close_sink(recipe: Recipe, sink) -> None:
+    sink.close()
+    if recipe.logging.plot:
+        from sao_megatron.metrics.plot import plot_curves
+
+        plot_curves(recipe.run_dir / "metrics.jsonl", recipe.run_dir / "curves.png", title=recipe.run.name)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2 ** 32))
+    torch.manual_seed(seed)

@@ -1,0 +1,55 @@
+"""The engines of a run: started here (reference server or SGLang) or reached at rollout.engine_urls,
+and one client per engine, the same for the rollout driver and every stage's weight sender."""
+from __future__ import annotations
+
+import json
+import secrets
+from pathlib import Path
+
+from sao_megatron.core.config import Recipe
+
+
+async def start_engines(recipe: Recipe, run_dir: Path):
+    """Connect to recipe.rollout.engine_urls, or start num_engines local engines. Returns (engines, handles)."""
+    rollout = recipe.rollout
+    api_key = rollout.api_key or secrets.token_hex(16)
+    handles = []
+    urls = list(rollout.engine_urls)
+    if not urls:
+        try:
+            for index in range(rollout.num_engines):
+                handle = _launch_engine(recipe, index, api_key, run_dir)
+                handles.append(handle)
+                urls.append(handle.url)
+        except BaseException:
+            for handle in handles:  # a later engine failed to start: stop the earlier ones
+                handle.stop()
+            raise
+    engines = engine_clients(recipe, urls, api_key)
+    (run_dir / "engines.json").write_text(json.dumps({"urls": urls}))
+    return engines, handles
+
+
+def engine_clients(recipe: Recipe, urls: list[str], api_key: str) -> list:
+    """One SGLangEngine per URL, told the routes' shape from the model's config.json (SGLang does not
+    report it); the same for the driver's clients and every stage sender's."""
+    from rollout.sglang_client import SGLangEngine, route_shape_from_config
+
+    shape = route_shape_from_config(recipe.model.path)
+    return [SGLangEngine(url, api_key=api_key, name=f"engine{i}@{url}", timeout_s=recipe.rollout.request_timeout_s,
+                         **shape) for i, url in enumerate(urls)]
+
+
+def _launch_engine(recipe: Recipe, index: int, api_key: str, run_dir: Path):
+    rollout = recipe.rollout
+    port = rollout.port + index if rollout.port else 0
+    if rollout.engine == "reference":
+        from rollout.reference_server import launch_local
+
+        # --tp N: the server joins the weight-update group as N ranks, as an SGLang engine with tp N does
+        extra = ["--tp", str(rollout.engine_tp)] if rollout.engine_tp > 1 else None
+        return launch_local(Path(recipe.model.path).resolve(), host=rollout.host, port=port, api_key=api_key,
+                            log_path=run_dir / f"engine{index}.log", seed=recipe.run.seed + index, extra_args=extra)
+    from rollout.sglang_launcher import launch_sglang
+
+    return launch_sglang(recipe, index=index, port=port, api_key=api_key, log_path=run_dir / f"engine{index}.log")

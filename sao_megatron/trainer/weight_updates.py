@@ -1,0 +1,182 @@
+"""The policy's new weights reach the engines: one update window per version (docs/weights.md).
+
+`WeightUpdates` is what the loop calls after each policy step (`sync`) and after a resume
+(`after_resume`). The debug modes train without engines or never train: they get `NoWeightUpdates`.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Optional
+
+from sao_megatron.core.config import Recipe
+
+
+class NoWeightUpdates:
+    """No engine serves the policy (run.debug = rollout-only or train-only): nothing to send."""
+
+    async def sync(self, version: int) -> dict:
+        return {}
+
+    async def after_resume(self, version: int) -> None:
+        pass
+
+
+class WeightUpdates:
+    """This rank's part in every weight update: the driver rank (rank 0) owns the window (pause the
+    engines through `driver`, one session per engine), the senders push, every rank gathers."""
+
+    def __init__(self, recipe: Recipe, policy, engines: list, driver, sender, rank: int = 0, world_size: int = 1):
+        self.recipe, self.policy, self.engines, self.driver = recipe, policy, engines, driver
+        self.weight_sync = sender            # None on ranks that do not send
+        self.rank, self.world_size, self.is_driver = rank, world_size, rank == 0
+
+    async def sync(self, version: int) -> dict:
+        """Broadcast the new policy weights to every engine under `version`, engines paused meanwhile."""
+        started = time.perf_counter()
+        sent_before = getattr(self.weight_sync, "bytes_sent", 0)
+        await self._update_weights(version, pause=True)
+        metrics = {"perf/weight_sync_s": time.perf_counter() - started}
+        if hasattr(self.weight_sync, "bytes_sent"):   # what this rank sent (its stage's share with per-stage senders)
+            metrics["perf/weight_sync_sent_mb"] = (self.weight_sync.bytes_sent - sent_before) / 2**20
+        return metrics
+
+    async def after_resume(self, version: int) -> None:
+        """The engines start from the initial weights: give them the resumed policy before any request
+        runs (the driver has not started yet, so there is nothing to pause)."""
+        if version > 0:
+            await self._update_weights(version, pause=False)
+
+    async def _update_weights(self, version: int, pause: bool) -> None:
+        """One update window for all stages, owned by the driver rank (docs/weights.md).
+
+        The driver rank pauses the engines through the rollout driver (it tracks in-flight requests;
+        ``pause=False`` when nothing runs yet, at resume) and opens ONE weight-update session per
+        engine; only then may any rank's sender send: a stage sending before the pause would queue
+        behind frozen requests, one sending before the session would be refused. push_weights ends
+        when every stage has landed; then the sessions close and the caches settle before resuming.
+        """
+        async with contextlib.AsyncExitStack() as window:
+            if self.is_driver:
+                try:
+                    await self._open_window(window, version, pause)
+                except BaseException as err:
+                    self._senders_go(error=f"{type(err).__name__}: {err}")
+                    raise
+            self._senders_go()
+            await self.push_weights(version)
+
+    async def _open_window(self, window: contextlib.AsyncExitStack, version: int, pause: bool) -> None:
+        if pause:
+            await window.enter_async_context(self.driver.weight_update(self.recipe.weight_sync.pause_mode))
+        else:   # idle engines: settle (flush, new namespace) after the session closes
+            from rollout.weights import settle_caches
+
+            window.push_async_callback(settle_caches, self.engines, version, True, self.recipe.weight_sync.timeout_s)
+        if self.weight_sync is not None:
+            await window.enter_async_context(self.weight_sync.update_session())
+
+    def _senders_go(self, error: Optional[str] = None) -> None:
+        """Every rank waits here for the driver rank's window; its failure fails every rank (no hang)."""
+        if self.world_size == 1:
+            return
+        import torch.distributed as dist
+
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None and not self.is_driver:
+            raise RuntimeError(f"rank {self.rank}: the driver rank could not open the weight update: {box[0]}")
+
+    async def push_weights(self, version: int) -> None:
+        """Every rank takes part in gathering the HF-named tensors; the senders send them.
+
+        One sender (rank 0) gets every stage's tensors; with per-stage senders each stage's first rank
+        sends only its stage's, one stage after the other: an engine receives one update at a time
+        (SGLang's scheduler blocks in the broadcast), so two stages sending at once could each hold
+        an engine the other needs, a deadlock (slime serializes its stage senders with a lock for
+        the same reason). After each turn the ranks agree that it landed, so a failed push fails
+        every rank instead of a hang, and the driver closes the sessions only after the last stage.
+        """
+        if not per_stage_senders(self.recipe, self.world_size):
+            await self._push_turn(self.policy.export_hf(scope="all"), version)
+        else:
+            from parallel.distributed import pipeline_stage_group
+
+            my_stage = pipeline_stage_group()[0]
+            for stage in range(self.recipe.parallel.pp):
+                await self._push_turn(self.policy.export_hf(scope="stage") if stage == my_stage else None, version)
+        if self.recipe.weight_sync.check_equal:
+            from rollout.weights import check_weight_update_equal
+
+            await check_weight_update_equal(self.engines if self.is_driver else [], self.policy.export_hf())
+
+    async def _push_turn(self, named, version: int) -> None:
+        """One turn: the senders send `named` (None: not this rank's turn), every rank of the turn
+        drains it, then all ranks agree that it landed."""
+        error = None
+        try:
+            if named is not None and self.weight_sync is not None:
+                await self.weight_sync.push(named, version)
+        except Exception as err:   # noqa: BLE001 - shared with every rank below, then re-raised
+            if self.world_size == 1:
+                raise
+            error = err
+        for _ in named or ():   # no sender here, or one that failed mid-stream: keep the export's collectives in step
+            pass
+        if self.world_size > 1:
+            _all_pushes_landed(error, self.rank)
+
+
+def per_stage_senders(recipe: Recipe, world_size: int) -> bool:
+    """Each pipeline stage's first rank broadcasts its own layers (weight_sync.senders = per_stage)."""
+    ws = recipe.weight_sync
+    return world_size > 1 and recipe.parallel.pp > 1 and ws.method == "broadcast" and ws.senders == "per_stage"
+
+
+def build_weight_updates(recipe: Recipe, policy, engines: list, driver, rank: int, world_size: int) -> WeightUpdates:
+    """Rank 0 sends to `engines`; with per-stage senders every other stage's first rank sends too."""
+    sender = new_weight_sync(recipe, engines, stage=0) if rank == 0 else None
+    if per_stage_senders(recipe, world_size):
+        engines, sender = _stage_sender(recipe, engines, sender, rank)
+    return WeightUpdates(recipe, policy, engines, driver, sender, rank, world_size)
+
+
+def _stage_sender(recipe: Recipe, engines: list, sender, rank: int):
+    """Rank 0 shares the engines' endpoints; a later stage's first rank builds its own sender (group
+    `sao_weights_pp<stage>_...`) to the same engines. Returns this rank's (engines, sender)."""
+    import torch.distributed as dist
+
+    from parallel.distributed import pipeline_stage_group
+
+    from .engines import engine_clients
+
+    box = [{"urls": [e.url for e in engines], "api_key": engines[0].api_key} if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    stage, _, index = pipeline_stage_group()
+    if rank == 0 or index != 0:
+        return engines, sender
+    engines = engine_clients(recipe, box[0]["urls"], box[0]["api_key"])
+    return engines, new_weight_sync(recipe, engines, stage=stage)
+
+
+def new_weight_sync(recipe: Recipe, engines: list, stage: int):
+    """A sender to every engine; the driver rank owns the update window (the push never pauses)."""
+    from rollout.weights import build_weight_sync
+
+    extra = {"aux_from": recipe.model.path} if recipe.weight_sync.method == "disk" else {"stage": stage}
+    return build_weight_sync(recipe.weight_sync, engines, run_dir=recipe.run_dir,
+                             ranks_per_engine=recipe.rollout.engine_tp, **extra)
+
+
+def _all_pushes_landed(error: Optional[BaseException], rank: int) -> None:
+    """Every rank learns whether every rank's push landed; any failure raises on all of them."""
+    import torch.distributed as dist
+
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}")
+    failed = [(r, msg) for r, msg in enumerate(outcomes) if msg is not None]
+    if error is not None:
+        raise error
+    if failed:
+        r, msg = failed[0]
+        raise RuntimeError(f"rank {rank}: the weight push of rank {r} failed: {msg}")
