@@ -1,6 +1,6 @@
 """Async single-rollout pipeline vs synchronous group pipeline: samples/s and trainer idle fraction.
 
-Both pipelines run the real RolloutDriver against the same SIMULATED engines (tests/unit/fake_engine.py):
+Both pipelines run the real RolloutDriver against the same SIMULATED engines (rollout/scripted_engine.py):
 a request's latency is its length times ``token_time_s`` with at most ``slots`` requests decoding per
 engine (continuous batching), and response lengths come from one long-tailed lognormal distribution
 (capped at max_new_tokens). The trainer step is simulated as a fixed sleep per batch followed by an
@@ -17,24 +17,14 @@ Reported: samples/s = used samples / wall time; trainer idle = time the trainer 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import math
 import time
-from pathlib import Path
 
 from checkpoints.init_model import build_tokenizer
 from rollout.driver import RolloutDriver
 from rollout.prompts import build_prompt_source
+from rollout.scripted_engine import ScriptedEngine, lognormal_lengths
 from sao_megatron.core.config.schema import RolloutConfig
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _fake_engine_module():
-    spec = importlib.util.spec_from_file_location("sao_fake_engine", ROOT / "tests" / "unit" / "fake_engine.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _settings(quick: bool) -> dict:
@@ -43,9 +33,8 @@ def _settings(quick: bool) -> dict:
 
 
 def _engines(p: dict, seed: int):
-    fake = _fake_engine_module()
-    lengths = fake.lognormal_lengths(p["median_len"], p["sigma"])
-    return [fake.FakeEngine(f"sim{i}", token_time_s=p["token_time_s"], length_fn=lengths, seed=seed + i,
+    lengths = lognormal_lengths(p["median_len"], p["sigma"])
+    return [ScriptedEngine(f"sim{i}", token_time_s=p["token_time_s"], length_fn=lengths, seed=seed + i,
                             max_running=p["slots"], tokens_per_tick=8) for i in range(p["engines"])]
 
 

@@ -9,8 +9,9 @@ attention + router tensors and `experts` expert triples (gate/up/down), `total_m
 - raw: dist.broadcast of a uint8 tensor of the payload's total bytes (receivers post matching
   receives), once in one piece ("raw_one_shot") and once in slices of the bucket size ("raw at the
   same bucket size"): the transport's ceiling without names, HTTP calls, flattening or loading.
-- sync: push(named_tensors, version) = health, pause, flush, per bucket (flatten + update call per
-  engine concurrently with the broadcast + receiver unflatten), continue.
+- sync: one weight-update session around push(named_tensors, version) = liveness (/model_info), per
+  bucket (flatten + update call per engine concurrently with the broadcast + receiver unflatten), as
+  the trainer runs it inside its update window (the engines are idle here: no pause to hold).
 ratio_vs_raw = sync bytes/s / raw bytes/s at the same bucket size (target >= 0.85); ratio_vs_one_shot
 compares with the single big broadcast. Each number is the best of `repeats` runs.
 """
@@ -44,15 +45,15 @@ def synthetic_moe(total_mb: float, hidden: int = 512, experts: int = 16,
 
 
 def _broadcast_slices(flat: torch.Tensor, chunk: int, group) -> None:
-    from checkpoints.weight_sync import _broadcast
+    from rollout.weights.buckets import broadcast_flat
 
     for start in range(0, flat.numel(), chunk):
-        _broadcast(flat[start:start + chunk], group)
+        broadcast_flat(flat[start:start + chunk], group)
 
 
 async def _raw(sync, engines, nbytes: int, chunk: int = 0) -> float:
     """Seconds for plain broadcasts of nbytes (in `chunk`-byte slices) on the sync's group, receivers done."""
-    from checkpoints.engine_calls import in_daemon_thread, payload_device, pinned, run_all
+    from rollout.weights.calls import in_daemon_thread, payload_device, pinned, run_all
 
     chunk = chunk or nbytes
     flat = torch.empty(nbytes, dtype=torch.uint8, device=payload_device(sync.backend))   # where push() sends from
@@ -64,8 +65,8 @@ async def _raw(sync, engines, nbytes: int, chunk: int = 0) -> float:
 
 
 async def _measure(total_mb: float, buckets_mb: list[float], num_engines: int, repeats: int) -> dict:
-    from checkpoints.loopback_engine import LoopbackEngine
-    from checkpoints.weight_sync import BroadcastWeightSync
+    from rollout.weights import BroadcastWeightSync
+    from rollout.weights.loopback_engine import LoopbackEngine
     from sao_megatron.core.config import WeightSyncConfig
 
     named = synthetic_moe(total_mb)
@@ -83,7 +84,8 @@ async def _measure(total_mb: float, buckets_mb: list[float], num_engines: int, r
             for r in range(repeats):   # interleaved, so load changes on a shared machine hit both alike
                 raw_times.append(await _raw(sync, engines, nbytes, int(mb * 2**20)))
                 start = time.perf_counter()
-                await sync.push(named, version=r + 1)
+                async with sync.update_session():
+                    await sync.push(named, version=r + 1)
                 times.append(time.perf_counter() - start)
             best, raw_b = min(times), min(raw_times)
             sweep.append({"bucket_mb": mb, "seconds": best, "bytes_per_s": nbytes / best, "raw_seconds": raw_b,

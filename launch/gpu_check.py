@@ -49,7 +49,7 @@ PROBE = """
 import importlib, importlib.metadata as md, json, sys
 out = {"python": sys.version.split()[0], "missing": []}
 for mod in ("torch", "megatron.core", "transformers", "parallel.rl_model", "rollout.reference_server.server",
-            "checkpoints.weight_sync", "pytest"):
+            "rollout.weights", "pytest"):
     try:
         importlib.import_module(mod)
     except ImportError as err:

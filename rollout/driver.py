@@ -31,23 +31,22 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Optional
 
 from rollout.buffer import GroupFilter, SampleBuffer
-from rollout.engine import Engine, EngineError, GenerateRequest, GenerateResult, settle_prefix_cache
+from rollout.engine import EngineError, GenerateRequest, GenerateResult, Generator, settle_prefix_cache
+from rollout.engine_health import ENGINE_FAILURES, DriverError, EngineHealth
 from rollout.rewards.base import apply_reward
 from rollout.staleness import StalenessStats, token_versions
 from sao_megatron.core.records import Sample, SampleStatus
 
 log = logging.getLogger(__name__)
 
-ENGINE_FAILURES = (EngineError, asyncio.TimeoutError, OSError)
 UPDATE_MODES = ("in_place", "retract", "abort")
 
 
-class DriverError(RuntimeError):
-    """The rollout driver cannot make progress (all engines down, a worker crashed, a stall)."""
+class RolloutDriver(EngineHealth):
+    """The rollout side of the trainer: samples in, batches out, and the one owner of pause/resume
+    (`weight_update`). Engine health (pick, mark dead, probe) is its part in rollout/engine_health.py."""
 
-
-class RolloutDriver:
-    def __init__(self, engines: list[Engine], prompt_source, reward_fn, cfg, tokenizer, *, seed: int,
+    def __init__(self, engines: list[Generator], prompt_source, reward_fn, cfg, tokenizer, *, seed: int,
                  filters: Iterable[GroupFilter] = (), buffer_capacity: Optional[int] = None, agent=None,
                  max_attempts: int = 0, probe_interval_s: float = 1.0, stall_timeout_s: Optional[float] = None,
                  control_timeout_s: float = 30.0, return_routed_experts: bool = True):
@@ -158,13 +157,13 @@ class RolloutDriver:
         return max_tokens is not None and self.buffer.num_ready > 0 and self.buffer.ready_tokens() >= max_tokens
 
     @contextlib.asynccontextmanager
-    async def weight_update(self, mode: Optional[str] = None, version: Optional[int] = None):
+    async def weight_update(self, mode: str, version: Optional[int] = None):
         """Pause the engines for a weight update, yield, then resume under the new version (caches settled).
 
-        ``mode`` defaults to ``rollout.update_mode``. ``version`` is the new weight version; when
-        omitted each engine is asked for its own after the update.
+        The one owner of pause/resume: weight sync never pauses (rollout/weights/sync.py). ``mode`` is
+        ``weight_sync.pause_mode``. ``version`` is the new weight version; when omitted each engine is
+        asked for its own after the update.
         """
-        mode = mode or self.cfg.update_mode
         if mode not in UPDATE_MODES:
             raise ValueError(f"weight_update mode {mode!r}; use one of {UPDATE_MODES}")
         async with self._update_lock:
@@ -178,7 +177,7 @@ class RolloutDriver:
             finally:
                 await self._after_update(live, version, mode)
 
-    async def _after_update(self, live: list[Engine], version: Optional[int], mode: str) -> None:
+    async def _after_update(self, live: list[Generator], version: Optional[int], mode: str) -> None:
         for engine in live:
             self._versions[engine.name] = (version if version is not None
                                            else await self._control(engine, engine.weight_version()))
@@ -324,55 +323,6 @@ class RolloutDriver:
         log.warning("sample %s failed: %s", sample.uid, reason)
         return "failed"
 
-    # ---- engines ----------------------------------------------------------------------------------
-    async def _pick_engine(self) -> Engine:
-        """The least-loaded live engine; waits for a revival, fails after stall_timeout_s."""
-        deadline = time.monotonic() + self.stall_timeout_s
-        while True:
-            live = [n for n in self.engines if n not in self._dead]
-            if live:
-                return self.engines[min(live, key=lambda n: self._load[n])]
-            if time.monotonic() > deadline:
-                self._error = DriverError(f"all engines are down ({sorted(self.engines)}) for "
-                                          f"{self.stall_timeout_s:.0f}s; check the servers and their logs")
-                self._progress.set()
-                raise self._error
-            await asyncio.sleep(self.probe_interval_s)
-
-    async def _engine_failed(self, engine: Engine, rid: str, reason: str) -> None:
-        self.counts["engine_errors"] += 1
-        if engine.name not in self._dead:
-            log.warning("engine %s failed (%s); retrying its requests elsewhere", engine.name, reason)
-        self._dead.add(engine.name)
-        with contextlib.suppress(*ENGINE_FAILURES):   # best effort: the engine may be gone
-            await asyncio.wait_for(engine.abort(rid), min(self.control_timeout_s, 5.0))
-
-    async def _probe_loop(self) -> None:
-        while self._running:
-            await asyncio.sleep(self.probe_interval_s)
-            if self._update_lock.locked():   # /health generates: it would wait on a paused engine
-                continue
-            for name in sorted(self._dead):
-                engine = self.engines[name]
-                try:
-                    healthy = await asyncio.wait_for(engine.health(), self.probe_interval_s * 5)
-                    if healthy:
-                        self._versions[name] = await asyncio.wait_for(engine.weight_version(), self.control_timeout_s)
-                except ENGINE_FAILURES:
-                    healthy = False
-                if healthy:
-                    log.info("engine %s is healthy again", name)
-                    self._dead.discard(name)
-            self._fill()
-
-    async def _control(self, engine: Engine, coro):
-        """A control call (pause/resume/version) with a timeout; failure names the engine."""
-        try:
-            return await asyncio.wait_for(coro, self.control_timeout_s)
-        except ENGINE_FAILURES as exc:
-            raise DriverError(f"engine {engine.name}: control call failed ({type(exc).__name__}: {exc}); "
-                              "is the server up?") from exc
-
     # ---- staleness ---------------------------------------------------------------------------------
     def _apply_staleness_bound(self) -> None:
         for group in self.buffer.take_stale(self._current_version, self.cfg.staleness_bound):
@@ -390,13 +340,6 @@ class RolloutDriver:
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise DriverError(f"rollout worker failed: {type(self._error).__name__}: {self._error}") from self._error
-
-    def _stall_message(self) -> str:
-        if len(self._dead) == len(self.engines):
-            return (f"all engines are down ({sorted(self.engines)}) for {self.stall_timeout_s:.0f}s; "
-                    "check the servers and their logs")
-        return (f"no sample finished for {self.stall_timeout_s:.0f}s: {len(self._active)} in flight, "
-                f"load {self._load}, dead engines {sorted(self._dead)}, buffer {self.buffer.num_ready} ready")
 
     def metrics(self) -> dict:
         batch = self._last_batch

@@ -1,11 +1,16 @@
-"""The Engine seam: what the trainer and the rollout driver need from a rollout server.
+"""The generation role of a rollout server: what the rollout driver and evaluation need from it.
 
-Two implementations speak SGLang's HTTP protocol (docs/engines.md): `SGLangEngine` against a real
-SGLang server, and the same client against our reference CPU server (`sao serve`). Anything that
-talks to an engine goes through this interface, so tests can also use an in-process fake.
+A rollout server plays two roles, each a small interface:
+- `Generator` (here): generate, abort, pause/resume, flush_cache, health, weight_version. The rollout
+  driver (rollout/driver.py) and evaluation type against it.
+- `WeightReceiver` (rollout/weights/receiver.py): weight-update sessions, groups, updates from a
+  broadcast or from disk, check_weights. Weight sync (rollout/weights/) types against it.
+`SGLangEngine` (rollout/sglang_client.py) implements both over SGLang's HTTP protocol (docs/engines.md),
+against a real SGLang server or our reference CPU server (`sao serve`); `ScriptedEngine`
+(rollout/scripted_engine.py) implements both in process for tests and benches.
 
-After a weight update, `settle_prefix_cache` is what the party that paused the engines calls before
-resuming them (docs/weights.md, "Prefix cache after an update").
+After a weight update, `settle_prefix_cache` is what the owner of the pause (the driver's update
+window) calls before resuming the engines (docs/weights.md, "Prefix cache after an update").
 """
 from __future__ import annotations
 
@@ -50,8 +55,8 @@ class GenerateResult:
     engine: str = ""
 
 
-class Engine(abc.ABC):
-    """One rollout server. All calls are async and carry a timeout."""
+class Generator(abc.ABC):
+    """One rollout server's generation side. All calls are async and carry a timeout."""
 
     name: str
     # Prefix-cache namespace every request carries (SGLang's `extra_key`): requests in different
@@ -80,53 +85,8 @@ class Engine(abc.ABC):
         """Liveness through generation (SGLang's /health generates one token): never call it while
         the engine is paused, where it waits and then reports the engine unhealthy."""
 
-    async def reachable(self) -> bool:
-        """Liveness without generating (reads the weight version), so it answers while paused."""
-        try:
-            await self.weight_version()
-        except (EngineError, OSError):
-            return False
-        return True
-
     @abc.abstractmethod
     async def weight_version(self) -> int: ...
-
-    @abc.abstractmethod
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str, backend: str) -> None: ...
-
-    @abc.abstractmethod
-    async def destroy_weights_update_group(self, group_name: str) -> None: ...
-
-    @abc.abstractmethod
-    async def begin_weight_update(self) -> None:
-        """Open the engine's weight-update session: SGLang 0.5.23 refuses update_weights_from_distributed
-        outside one. Fails if a session is already open."""
-
-    @abc.abstractmethod
-    async def end_weight_update(self) -> None:
-        """Close the session begin_weight_update opened. Fails if none is open."""
-
-    @abc.abstractmethod
-    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
-                                              shapes: list[list[int]], group_name: str,
-                                              weight_version: int, flattened_bucket: bool = True,
-                                              flush_cache: bool = True) -> None:
-        """Receive one broadcast bucket; returns when the engine has loaded it."""
-
-    @abc.abstractmethod
-    async def update_weights_from_disk(self, model_path: str, weight_version: int, flush_cache: bool = True) -> None:
-        """Load HF shards from `model_path`. SGLang refuses flush_cache=True while requests paused in
-        place hold KV; weight sync sends False and settles the cache itself (settle_prefix_cache)."""
-
-    @abc.abstractmethod
-    async def get_weights_by_name(self, name: str) -> torch.Tensor: ...
-
-    async def check_weights(self, action: str = "checksum", skip_tensor_list: Optional[list[str]] = None,
-                            selector: str = "all"):
-        """SGLang's /weights_checker: an `EngineChecksums` (rollout/weight_checksum.py) holding every
-        rank's {tensor name: checksum}. Not abstract: engines that hold no weights need not answer."""
-        raise EngineError(f"engine {self.name}: {type(self).__name__} does not implement check_weights")
 
     async def close(self) -> None:
         """Release client resources (connections). The server itself keeps running."""
@@ -136,7 +96,7 @@ def cache_namespace(version: int) -> str:
     return f"sao-w{version}"
 
 
-async def settle_prefix_cache(engine: Engine, version: int, flush: bool) -> bool:
+async def settle_prefix_cache(engine: Generator, version: int, flush: bool) -> bool:
     """After a weight update, before resuming: no request may reuse KV (or routes) computed under
     older weights. Returns whether the cache was flushed.
 

@@ -1,4 +1,5 @@
-"""`SGLangEngine`: the Engine seam over SGLang's HTTP protocol (SGLang 0.5.23 or `sao serve`).
+"""`SGLangEngine`: both roles of a rollout server (`Generator`, `WeightReceiver`) over SGLang's HTTP
+protocol (SGLang 0.5.23 or `sao serve`).
 
 One pooled aiohttp session per engine; every call has a timeout; connection failures (refused,
 reset, server disconnected) are retried with exponential backoff ``backoff_s * 2**attempt``, nothing
@@ -22,8 +23,9 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
-from rollout.engine import Engine, EngineError, GenerateRequest, GenerateResult
+from rollout.engine import EngineError, GenerateRequest, GenerateResult, Generator
 from rollout.routed_experts import decode_routed_experts
+from rollout.weights.receiver import WeightReceiver
 
 import torch
 
@@ -68,7 +70,7 @@ def _aiohttp():
     return aiohttp
 
 
-class SGLangEngine(Engine):
+class SGLangEngine(Generator, WeightReceiver):
     """HTTP client of one SGLang-protocol server at `url` (e.g. "http://127.0.0.1:30000").
 
     ``moe_topk`` and ``num_layers`` give the routes' shape (experts per token, hidden layers); build

@@ -12,6 +12,8 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from sao_megatron.core.processes import pid_alive
+
 log = logging.getLogger("rollout.reference_server")
 
 
@@ -200,15 +202,8 @@ async def _watch(state, stop: asyncio.Event, parent_pid: int) -> None:
 
 
 def _alive(pid: int) -> bool:
-    if os.getppid() != pid:    # re-parented: the launcher is gone
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """The launcher `pid` still runs and is still our parent (re-parented: the launcher is gone)."""
+    return os.getppid() == pid and pid_alive(pid)
 
 
 def serve(opts: ServeOptions) -> None:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Optional
 
 from rollout.agent import ToolAgent, ToolCall
-from rollout.engine import Engine, GenerateRequest
+from rollout.engine import Generator, GenerateRequest
 from rollout.sandbox import SandboxLimits, SandboxResult, run_python
 from sao_megatron.core.config.errors import ConfigError
 from sao_megatron.core.records import Sample
@@ -194,7 +194,7 @@ class CodeRepairEval(AgenticEval):
     def problems(self) -> list:
         return list(self.tasks)
 
-    async def run_episode(self, engine: Engine, tokenizer, problem, seed: int) -> EpisodeResult:
+    async def run_episode(self, engine: Generator, tokenizer, problem, seed: int) -> EpisodeResult:
         if isinstance(problem, BadTask):
             return EpisodeResult(0.0, error=f"bad task at line {problem.line}: {problem.reason}")
         workspace = dict(problem.files)
@@ -246,7 +246,7 @@ async def run_hidden_tests(task: RepairTask, files: dict[str, str], limits: Sand
     return await run_python(workspace_script({**files, **task.tests}, task.test_code()), limits)
 
 
-def _engine_turn(engine: Engine, seed: int, temperature: float):
+def _engine_turn(engine: Generator, seed: int, temperature: float):
     """The agent's turn function: one generate call on `engine`, appended as action tokens."""
     async def turn(sample: Sample, max_new_tokens: int, stop_ids: list[int]) -> str:
         n = sample.metadata.get("turns", 0)

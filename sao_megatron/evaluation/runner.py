@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from rollout.engine import Engine, GenerateRequest
+from rollout.engine import Generator, GenerateRequest
 from sao_megatron.core.config.errors import ConfigError
 from sao_megatron.core.imports import resolve_import_path
 
@@ -47,7 +47,7 @@ class AgenticEval(abc.ABC):
     name: str
 
     @abc.abstractmethod
-    async def run_episode(self, engine: Engine, tokenizer, problem, seed: int) -> EpisodeResult: ...
+    async def run_episode(self, engine: Generator, tokenizer, problem, seed: int) -> EpisodeResult: ...
 
     @abc.abstractmethod
     def problems(self) -> list: ...
@@ -88,7 +88,7 @@ def scorer_for(source: str):
     return verify_answer
 
 
-async def evaluate_source(engines: list[Engine], tokenizer, source: str, *, k: int, temperature: float,
+async def evaluate_source(engines: list[Generator], tokenizer, source: str, *, k: int, temperature: float,
                           max_new_tokens: int, seed: int = 0, limit: int = 0, concurrency: int = 32) -> dict:
     rows = load_eval_rows(source, seed, limit)
     score = scorer_for(source)
@@ -111,7 +111,7 @@ async def evaluate_source(engines: list[Engine], tokenizer, source: str, *, k: i
     return summarize(correct, _reported_ks(k))
 
 
-async def evaluate_agentic(engines: list[Engine], tokenizer, env: AgenticEval, *, k: int, seed: int = 0,
+async def evaluate_agentic(engines: list[Generator], tokenizer, env: AgenticEval, *, k: int, seed: int = 0,
                            limit: int = 0, concurrency: int = 8, episodes: Optional[list] = None) -> dict:
     """avg@k / pass@k over k episodes per problem, plus `errors` (episodes an environment failure ended).
 

@@ -29,16 +29,17 @@ def _batch(tokens: list[int]):
 
 
 async def _sync_and_sample(named, url: str, api_key: str):
-    from checkpoints.weight_check import check_weight_update_equal
-    from checkpoints.weight_sync import BroadcastWeightSync
     from rollout.engine import GenerateRequest
     from rollout.sglang_client import SGLangEngine
+    from rollout.weights.check import check_weight_update_equal
+    from rollout.weights.sync import BroadcastWeightSync
     from sao_megatron.core.config import WeightSyncConfig
 
     engine = SGLangEngine(url, api_key=api_key, name="ref-0", control_timeout_s=60, weight_timeout_s=120)
     try:
         sync = BroadcastWeightSync(WeightSyncConfig(bucket_mb=0.1, timeout_s=120), [engine])
-        await sync.push(named, version=1)
+        async with sync.update_session():   # the caller holds the session (and any pause)
+            await sync.push(named, version=1)
         checked = [c.compared for c in await check_weight_update_equal([engine], named)]
         result = await engine.generate(GenerateRequest(rid="after-sync", input_ids=PROMPT, max_new_tokens=10,
                                                        temperature=1.0, seed=11, return_routed_experts=False))

@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from checkpoints.engine_calls import in_daemon_thread, payload_device, pinned
-from checkpoints.weight_buckets import iter_buckets
+from rollout.weights.buckets import iter_buckets
+from rollout.weights.calls import in_daemon_thread, payload_device, pinned
 
 pytestmark = pytest.mark.gpu
 

@@ -5,11 +5,11 @@ import asyncio
 import json
 
 from checkpoints.init_model import build_tokenizer
-from fake_engine import FakeEngine
 from rollout.agent import ToolAgent, parse_tool_call
 from rollout.driver import RolloutDriver
 from rollout.prompts import build_prompt_source
 from rollout.rewards import resolve_reward_fn
+from rollout.scripted_engine import ScriptedEngine as FakeEngine
 from sao_megatron.core.config.schema import RolloutConfig
 from sao_megatron.core.records import Sample, SampleStatus
 

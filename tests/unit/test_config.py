@@ -91,6 +91,7 @@ BAD_RECIPES = [
     ("nan", "[algorithm]\nlr = nan\n", "algorithm.lr", "not finite"),
     ("zero bucket", "[weight_sync]\nbucket_mb = 0.0\n", "weight_sync.bucket_mb", "<= 0"),
     ("keep none", "[checkpoint]\nkeep_last = 0\n", "checkpoint.keep_last", "keep at least 1"),
+    ("removed key", "[rollout]\nupdate_mode = 'abort'\n", "rollout.update_mode", "set weight_sync.pause_mode"),
 ]
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from checkpoints.init_model import build_tokenizer
-from fake_engine import FakeEngine
 from rollout.sandbox import SandboxLimits
+from rollout.scripted_engine import ScriptedEngine as FakeEngine
 from sao_megatron.core.config import ConfigError, EvalConfig, RolloutConfig
 from sao_megatron.evaluation.code_repair import BadTask, CodeRepairEval, load_tasks, validate_task
 from sao_megatron.evaluation.patches import PatchError, apply_submission

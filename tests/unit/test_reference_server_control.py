@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 import threading
 
 import aiohttp
@@ -24,6 +23,7 @@ from rollout.engine import EngineError, GenerateRequest
 from rollout.reference_server import launch_local
 from rollout.reference_server.weight_group import flatten_bucket, init_weight_update_group
 from rollout.sglang_client import SGLangEngine, generate_body, parse_generate_reply
+from sao_megatron.core.ports import free_port
 
 KEY = "ctl-key"
 PROMPT = [10, 11, 12, 13]
@@ -172,15 +172,9 @@ def test_pause_abort_ends_requests(server):
     assert queued.finish_reason in ("length", "stop")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_gloo_broadcast_update_is_bit_exact_and_bumps_version(server, on_disk, updated_dir):
     new = load_file(str(updated_dir / "model.safetensors"))
-    port, group_name = _free_port(), "wu_test"
+    port, group_name = free_port(), "wu_test"
     flat_names, single_names = UPDATED[:4], UPDATED[4:]
     box = {}
 

@@ -10,9 +10,9 @@ from checkpoints.init_model import build_tokenizer
 from rollout.driver import DriverError, RolloutDriver
 from rollout.prompts import build_prompt_source
 from rollout.rewards import resolve_reward_fn
+from rollout.scripted_engine import ScriptedEngine as FakeEngine
 from sao_megatron.core.config.schema import RolloutConfig
 from sao_megatron.core.records import SampleStatus
-from fake_engine import FakeEngine
 
 TOK = build_tokenizer()
 
@@ -175,7 +175,7 @@ def test_engines_dying_mid_run_fail_get_batch_instead_of_hanging():
 
 
 def test_staleness_bound_holds_under_fast_trainer_slow_engine():
-    cfg = make_cfg(staleness_bound=1, stale_policy="drop", update_mode="in_place", max_in_flight=16)
+    cfg = make_cfg(staleness_bound=1, stale_policy="drop", max_in_flight=16)
     eng = [version_echo(e) for e in engines(2, token_time_s=0.003)]
 
     async def main():

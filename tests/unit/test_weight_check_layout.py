@@ -8,11 +8,11 @@ import asyncio
 import pytest
 import torch
 
-from checkpoints.weight_check import (WeightMismatchError, check_weight_update_equal, engine_layout, fused_experts,
-                                      sglang_homes)
 from rollout.engine import EngineError
 from rollout.weight_checksum import (checksum_reply, engine_checksum, overall_checksum, parse_weights_checker_reply,
                                      tensor_checksum, tensor_checksums)
+from rollout.weights.check import (WeightMismatchError, check_weight_update_equal, engine_layout, fused_experts,
+                                   sglang_homes)
 
 P = "model.layers.0.mlp.experts"
 

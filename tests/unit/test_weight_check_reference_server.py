@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from checkpoints.hf_io import HFCheckpoint
-from checkpoints.weight_check import WeightMismatchError, check_weight_update_equal
-from checkpoints.weight_sync import BroadcastWeightSync
 from rollout.engine import EngineError
 from rollout.sglang_client import SGLangEngine
+from rollout.weights.check import WeightMismatchError, check_weight_update_equal
+from rollout.weights.sync import BroadcastWeightSync
 from sao_megatron.core.config import WeightSyncConfig
 
 
@@ -94,9 +94,11 @@ def test_check_equal_after_a_real_sync_then_a_wrong_update(server, tiny_model_di
         engine = _engine(server)
         try:
             sync = BroadcastWeightSync(WeightSyncConfig(bucket_mb=0.05, timeout_s=120), [engine])
-            await sync.push(named, version=3)
+            async with sync.update_session():   # the caller holds the session (and any pause)
+                await sync.push(named, version=3)
             passed = await check_weight_update_equal([engine], named)
-            await sync.push([(wrong, dict(named)[wrong] + 1e-3)], version=4)   # one expert now differs
+            async with sync.update_session():
+                await sync.push([(wrong, dict(named)[wrong] + 1e-3)], version=4)   # one expert now differs
             await sync.close()
             try:
                 await check_weight_update_equal([engine], named)

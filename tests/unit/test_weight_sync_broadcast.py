@@ -6,10 +6,10 @@ import asyncio
 import pytest
 import torch
 
-from checkpoints.weight_buckets import Bucket, iter_buckets
-from checkpoints.weight_check import WeightMismatchError, check_weight_update_equal
-from checkpoints.weight_sync import BroadcastWeightSync, DiskWeightSync, build_weight_sync, non_expert_first
 from rollout.engine import EngineError
+from rollout.weights.buckets import Bucket, iter_buckets
+from rollout.weights.check import WeightMismatchError, check_weight_update_equal
+from rollout.weights.sync import BroadcastWeightSync, DiskWeightSync, build_weight_sync, non_expert_first
 from sao_megatron.core.config import WeightSyncConfig
 
 from weight_sync_fakes import FakeEngine
@@ -102,9 +102,11 @@ def test_broadcast_delivers_bit_exact_to_every_engine_and_sets_version():
     async def scenario(engines):
         sync = build_weight_sync(WeightSyncConfig(bucket_mb=0.02, timeout_s=60), engines)
         assert isinstance(sync, BroadcastWeightSync)
-        await sync.push(_named(), version=3)
+        async with sync.update_session():
+            await sync.push(_named(), version=3)
         second = [(n, t + 1) for n, t in _named()]
-        await sync.push(second, version=4)   # the group is reused
+        async with sync.update_session():
+            await sync.push(second, version=4)   # the group is reused
         checked = await check_weight_update_equal(engines, second)
         versions = [await e.weight_version() for e in engines]
         q = await engines[0].get_weights_by_name("model.layers.0.self_attn.q_proj.weight")
@@ -116,13 +118,11 @@ def test_broadcast_delivers_bit_exact_to_every_engine_and_sets_version():
     assert [(c.compared, c.layout) for c in checked] == [(6, "hf")] * 2
     assert sent == 2 * sum(t.numel() * t.element_size() for _, t in _named())
     assert versions == [4, 4] and q_dtype == torch.bfloat16 and [e.rank for e in engines] == [1, 2]
-    for e in engines:   # one push: liveness without generating, pause, ONE session, no flush in place
-        assert e.calls[:10] == ["model_info", "pause_generation:in_place", "begin_weight_update",
-                                "init_weights_update_group"] + ["update_weights_from_distributed"] * 4 + [
-                                "end_weight_update", "continue_generation"]
+    for e in engines:   # one push: ONE session, liveness without generating; pausing is the driver's alone
+        assert e.calls[:8] == ["begin_weight_update", "model_info", "init_weights_update_group"] + [
+                               "update_weights_from_distributed"] * 4 + ["end_weight_update"]
         assert e.calls.count("begin_weight_update") == e.calls.count("end_weight_update") == 2
         assert "health" not in e.calls and "flush_cache" not in e.calls and not e.session_open
-        assert e.cache_namespace == "sao-w4"   # requests after the update never reuse older prefixes
 
 
 def test_dead_engine_is_named():
@@ -142,7 +142,7 @@ def test_push_never_calls_health():
             return False
 
     async def scenario(engines):
-        sync = BroadcastWeightSync(WeightSyncConfig(bucket_mb=0.05, timeout_s=60), engines, manage_pause=False)
+        sync = BroadcastWeightSync(WeightSyncConfig(bucket_mb=0.05, timeout_s=60), engines)
         async with sync.update_session():
             await sync.push(_named(), version=2)
         await sync.close()
@@ -157,7 +157,8 @@ def test_hung_engine_times_out_naming_it():
         sync = BroadcastWeightSync(WeightSyncConfig(timeout_s=60), engines)
         await sync.connect()          # the fakes' process start is slow on 2 cores; time only the transfer
         sync.cfg.timeout_s = 3
-        await sync.push(_named(), version=1)
+        async with sync.update_session():
+            await sync.push(_named(), version=1)
 
     with pytest.raises(EngineError, match=r"engine stuck.*: weights bucket 0 .* did not finish within 3s"):
         asyncio.run(_closing([FakeEngine("ok"), FakeEngine("stuck", hang=True)], scenario))
@@ -217,7 +218,7 @@ def test_unknown_method_no_engines_and_nccl_without_gpu_refused():
 def test_sender_address_is_loopback_for_local_engines_and_routable_otherwise(monkeypatch):
     from types import SimpleNamespace
 
-    from checkpoints.weight_sync import run_all, sender_address
+    from rollout.weights.sync import run_all, sender_address
 
     monkeypatch.delenv("SAO_WEIGHT_SYNC_ADDR", raising=False)
     local = [SimpleNamespace(url="http://127.0.0.1:30000"), SimpleNamespace(url="http://localhost:30001")]
@@ -227,3 +228,15 @@ def test_sender_address_is_loopback_for_local_engines_and_routable_otherwise(mon
     monkeypatch.setenv("SAO_WEIGHT_SYNC_ADDR", "192.0.2.7")
     assert sender_address(local) == "192.0.2.7"
     assert asyncio.run(run_all({}, "nothing", 1.0)) == []    # a rank with no engines has nothing to await
+
+
+def test_push_never_pauses_resumes_or_settles(tmp_path):
+    """One owner of pause/resume (the driver's window): a push against an engine that plays both roles
+    only checks liveness and loads the weights; it never pauses, resumes, flushes or moves the namespace."""
+    from rollout.scripted_engine import ScriptedEngine
+
+    engine = ScriptedEngine("both-roles")
+    sync = build_weight_sync(WeightSyncConfig(method="disk", timeout_s=60), [engine], run_dir=tmp_path)
+    asyncio.run(sync.push(_named(), version=2))
+    assert engine.calls == ["update_weights_from_disk"] and engine.version == 2
+    assert engine.paused_mode is None and engine.cache_namespace is None

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from checkpoints.hf_io import HFCheckpoint
-from checkpoints.weight_check import check_weight_update_equal
-from checkpoints.weight_sync import BroadcastWeightSync, DiskWeightSync
 from rollout.engine import EngineError, GenerateRequest
+from rollout.weights.check import check_weight_update_equal
+from rollout.weights.sync import BroadcastWeightSync, DiskWeightSync
 from sao_megatron.core.config import WeightSyncConfig
 
 
@@ -63,7 +63,8 @@ def test_broadcast_then_weights_and_logprobs_match_trainer(server, tiny_model_di
         engine = _engine(server)
         try:
             sync = BroadcastWeightSync(WeightSyncConfig(bucket_mb=0.05, timeout_s=120), [engine])
-            await sync.push(named, version=5)
+            async with sync.update_session():   # the caller holds the session (and any pause)
+                await sync.push(named, version=5)
             checked = await check_weight_update_equal([engine], named)
             version = await engine.weight_version()
             result = await engine.generate(GenerateRequest(rid="lp-1", input_ids=prompt, max_new_tokens=8,
@@ -136,7 +137,8 @@ def test_server_dying_mid_sync_is_named(tiny_model_dir):
         engine = DyingEngine(srv.url, api_key="k", name="dying-engine", control_timeout_s=30, weight_timeout_s=60)
         try:
             sync = BroadcastWeightSync(WeightSyncConfig(bucket_mb=0.05, timeout_s=60), [engine])
-            await sync.push(_new_weights(tiny_model_dir, 0.0), 1)
+            async with sync.update_session():
+                await sync.push(_new_weights(tiny_model_dir, 0.0), 1)
         finally:
             await engine.close()
 
@@ -162,7 +164,8 @@ def test_engines_of_different_tp_each_join_with_their_ranks(tiny_model_dir):
         engines = [_engine(s, name=f"tp{tp}") for s, tp in zip(servers, (2, 1))]
         try:
             sync = BroadcastWeightSync(WeightSyncConfig(bucket_mb=0.5, timeout_s=120), engines, ranks_per_engine=[2, 1])
-            await sync.push(named, version=6)
+            async with sync.update_session():
+                await sync.push(named, version=6)
             checked = await check_weight_update_equal(engines, named)
             await sync.close()
             wrong = BroadcastWeightSync(WeightSyncConfig(timeout_s=60), engines[:1], ranks_per_engine=1)

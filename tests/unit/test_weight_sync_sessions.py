@@ -1,7 +1,8 @@
-"""The weight-update window of BroadcastWeightSync against LoopbackEngine fakes that answer as SGLang
+"""The weight-update sessions of BroadcastWeightSync against LoopbackEngine fakes that answer as SGLang
 0.5.23 does (update_weights_from_distributed refused outside a begin/end_weight_update session):
-sessions per push and per engine, a refusal failing fast, a stale session recovered, the prefix
-cache settled per pause mode, rank offsets for engines of different TP, the payload device."""
+sessions per push and per engine, a refusal failing fast, a stale session recovered, rank offsets for
+engines of different TP, the payload device. The pause, the prefix-cache settle per pause mode and
+the resume are the rollout driver's (test_weight_sync_window.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,9 +11,9 @@ import threading
 import pytest
 import torch
 
-from checkpoints import engine_calls, weight_sync
-from checkpoints.weight_sync import BroadcastWeightSync
 from rollout.engine import EngineError
+from rollout.weights import calls as engine_calls, sync as weight_sync
+from rollout.weights.sync import BroadcastWeightSync
 from sao_megatron.core.config import WeightSyncConfig
 
 from weight_sync_fakes import FakeEngine
@@ -40,7 +41,7 @@ def test_two_stage_senders_share_one_session_per_engine():
 
     async def scenario(engines):
         cfg = WeightSyncConfig(bucket_mb=0.01, timeout_s=60)
-        senders = [BroadcastWeightSync(cfg, engines, stage=s, manage_pause=False) for s in (0, 1)]
+        senders = [BroadcastWeightSync(cfg, engines, stage=s) for s in (0, 1)]
         for sender in senders:
             await sender.connect()
         async with senders[0].update_session():
@@ -74,7 +75,8 @@ def test_refused_update_fails_at_once_naming_the_engine_and_closes_sessions():
         sync = BroadcastWeightSync(WeightSyncConfig(bucket_mb=1, timeout_s=60), engines)
         await sync.connect()
         sync.cfg.timeout_s = 3600      # a timeout would mean the refusal was not seen
-        await sync.push(_named(), version=1)
+        async with sync.update_session():
+            await sync.push(_named(), version=1)
 
     engines = [FakeEngine("fine"), Refusing("refusing")]
     with pytest.raises(EngineError, match=r"engine refusing: weights bucket 0 .* failed: .*begin_weight_update\(\) "
@@ -82,37 +84,22 @@ def test_refused_update_fails_at_once_naming_the_engine_and_closes_sessions():
         asyncio.run(_closing(engines, scenario))
     assert "did not finish" not in str(info.value)
     assert not engines[0].session_open and engines[0].calls.count("end_weight_update") == 1
-    assert engines[0].calls[-1] == "continue_generation"     # the engines are resumed after the failure
+    assert engines[0].calls[-1] == "end_weight_update"       # closed last: resuming is the driver's
 
 
 def test_a_session_left_open_by_a_failed_push_is_recovered():
     async def scenario(engines):
         await engines[0].begin_weight_update()      # a crashed trainer's session, never closed
         sync = BroadcastWeightSync(WeightSyncConfig(bucket_mb=1, timeout_s=60), engines)
-        await sync.push(_named(), version=7)
+        async with sync.update_session():
+            await sync.push(_named(), version=7)
         await sync.close()
         return await engines[0].weight_version(), engines[0].calls
 
     version, calls = asyncio.run(_closing([FakeEngine("e0")], scenario))
     assert version == 7
-    assert calls[:5] == ["begin_weight_update", "model_info", "pause_generation:in_place", "begin_weight_update",
-                         "end_weight_update"] and calls[5] == "begin_weight_update"
-
-
-@pytest.mark.parametrize("mode, flushed", [("abort", True), ("retract", True), ("in_place", False)])
-def test_cache_settled_after_the_session_closes(mode, flushed):
-    """abort/retract: no request holds KV, so the cache is flushed after the update; in_place: paused
-    requests hold KV and SGLang would refuse, so only the namespace moves. Always before continue."""
-    async def scenario(engines):
-        sync = BroadcastWeightSync(WeightSyncConfig(bucket_mb=1, timeout_s=60, pause_mode=mode), engines)
-        await sync.push(_named(), version=5)
-        await sync.close()
-        return engines[0].calls, engines[0].cache_namespace
-
-    calls, namespace = asyncio.run(_closing([FakeEngine("e0")], scenario))
-    tail = ["end_weight_update"] + (["flush_cache"] if flushed else []) + ["continue_generation"]
-    assert calls[calls.index("end_weight_update"):calls.index("continue_generation") + 1] == tail
-    assert calls.count("flush_cache") == int(flushed) and namespace == "sao-w5"
+    assert calls[:4] == ["begin_weight_update", "begin_weight_update", "end_weight_update",
+                         "begin_weight_update"] and calls[4] == "model_info"
 
 
 def test_rank_offsets_tile_engines_of_different_tp():
@@ -142,7 +129,8 @@ def test_flatten_and_broadcast_threads_are_pinned_to_the_captured_device(monkeyp
 
     async def scenario(engines):
         sync = BroadcastWeightSync(WeightSyncConfig(bucket_mb=0.02, timeout_s=60), engines)
-        await sync.push(_named(), version=1)
+        async with sync.update_session():
+            await sync.push(_named(), version=1)
         await sync.close()
 
     asyncio.run(_closing([FakeEngine("e0")], scenario))

@@ -1,12 +1,12 @@
-"""Fault-injecting engines for weight-sync tests, on top of checkpoints.loopback_engine.LoopbackEngine:
+"""Fault-injecting engines for weight-sync tests, on top of rollout.weights.loopback_engine.LoopbackEngine:
 `dead=True` makes every control call fail like a killed server's refused connection; `hang=True`
 makes a bucket receive never return."""
 from __future__ import annotations
 
 import asyncio
 
-from checkpoints.loopback_engine import LoopbackEngine
 from rollout.engine import EngineError
+from rollout.weights.loopback_engine import LoopbackEngine
 
 
 class FakeEngine(LoopbackEngine):

@@ -13,8 +13,9 @@ from typing import Any
 
 from .errors import ConfigError
 from .presets import ADVANTAGES, GROUP_ADVANTAGES, LOSSES, PRESETS
-from .schema import (SECTIONS, AlgorithmConfig, CheckpointConfig, CriticConfig, EvalConfig, LaunchConfig,
-                     LoggingConfig, ModelConfig, ParallelConfig, RolloutConfig, RunConfig, WeightSyncConfig)
+from .schema import (REMOVED_KEYS, SECTIONS, AlgorithmConfig, CheckpointConfig, CriticConfig, EvalConfig,
+                     LaunchConfig, LoggingConfig, ModelConfig, ParallelConfig, RolloutConfig, RunConfig,
+                     WeightSyncConfig)
 
 
 @dataclass
@@ -229,6 +230,8 @@ def _build_section(section: str, cls, values: dict):
     kwargs = {}
     for key, value in values.items():
         name = f"{section}.{key}"
+        if key not in known and name in REMOVED_KEYS:
+            raise ConfigError(name, "was removed", REMOVED_KEYS[name])
         if key not in known:
             raise ConfigError(name, "unknown key" + _suggest(key, known), f"remove it; valid keys: {', '.join(sorted(known))}")
         kwargs[key] = coerce(name, value, hints[key])

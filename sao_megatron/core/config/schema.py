@@ -134,8 +134,6 @@ class RolloutConfig:
     staleness_bound: int = doc(4, "Drop/regenerate samples whose oldest token is more than tau versions old.",
                                bounds=">= 0")
     stale_policy: Literal["drop", "regenerate"] = doc("drop", "What to do with a sample over the staleness bound.")
-    update_mode: Literal["in_place", "retract", "abort"] = doc(
-        "in_place", "What in-flight requests do during a weight update (SGLang pause mode).")
     request_timeout_s: float = doc(600.0, "Timeout of one generate call.", bounds="> 0")
     task: str = doc("countdown", "Built-in task (countdown, arithmetic, copy, digits, online) or '' to use dataset.")
     dataset: str = doc("", "Prompt file (jsonl or parquet) with a 'prompt' field (and 'answer').")
@@ -338,6 +336,12 @@ SECTIONS = {
     "run": RunConfig, "model": ModelConfig, "parallel": ParallelConfig, "rollout": RolloutConfig,
     "algorithm": AlgorithmConfig, "critic": CriticConfig, "weight_sync": WeightSyncConfig,
     "checkpoint": CheckpointConfig, "logging": LoggingConfig, "eval": EvalConfig, "launch": LaunchConfig,
+}
+
+# Keys a recipe may still carry from an older release: "unknown key" would leave the reader without the
+# replacement, so the error names it (recipe.py).
+REMOVED_KEYS = {
+    "rollout.update_mode": "remove it and set weight_sync.pause_mode (it was always overridden by that field)",
 }
 
 

@@ -1,4 +1,5 @@
-"""Sender side of the weight-update group and the flattened-bucket payload.
+"""Sender side of the weight-update group (`create_sender_group`, `broadcast_flat`) and the
+flattened-bucket payload (`Bucket`, `iter_buckets`).
 
 Group formation follows SGLang's init_custom_process_group (docs/engines.md): the sender is rank 0
 and hosts a TCPStore at master_address:master_port; every engine rank r joins with
@@ -95,3 +96,11 @@ def create_sender_group(master_address: str, master_port: int, world_size: int, 
     # Ranks of a helper-built group are its own; register the identity map so collectives accept it.
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world)}
     return group
+
+
+def broadcast_flat(flat: torch.Tensor, group) -> None:
+    """The sender's half of one bucket (or of the benchmark's raw baseline): rank 0 broadcasts `flat`
+    to every engine rank of the weight-update group."""
+    import torch.distributed as dist
+
+    dist.broadcast(flat, src=0, group=group)

@@ -1,4 +1,8 @@
-"""An in-process Engine for fast driver tests and the pipeline benchmark.
+"""ScriptedEngine: a simulated rollout server in this process, for tests and benchmarks only.
+
+It runs no model: tokens come from a script or a responder, latency from a timing model. It plays both
+roles of a rollout server (`Generator`, `WeightReceiver`) so the driver and the update window can be
+tested and benchmarked without a server (tests/unit, bench/pipeline.py); training never uses it.
 
 Timing model: each output token takes ``token_time_s`` (slept once per ``tokens_per_tick`` tokens) (continuous batching without a capacity
 limit unless ``max_running`` is set), so a request's latency is proportional to its length. The
@@ -31,7 +35,8 @@ from typing import Callable, Optional
 
 import torch
 
-from rollout.engine import Engine, EngineError, GenerateRequest, GenerateResult
+from rollout.engine import EngineError, GenerateRequest, GenerateResult, Generator
+from rollout.weights.receiver import WeightReceiver
 
 
 def lognormal_lengths(median: float = 16.0, sigma: float = 1.0) -> Callable[[random.Random], int]:
@@ -43,7 +48,7 @@ def digit_responder(input_ids: list[int], step: int) -> int:
     return 7 + (step % 10)          # '0'..'9' in the char-level tokenizer
 
 
-class FakeEngine(Engine):
+class ScriptedEngine(Generator, WeightReceiver):
     def __init__(self, name: str = "fake0", *, token_time_s: float = 0.0, eos_id: int = 2,
                  length_fn: Optional[Callable[[random.Random], int]] = None,
                  responder: Callable[[list[int], int], int] = digit_responder, version: int = 0,
@@ -204,4 +209,4 @@ class FakeEngine(Engine):
         self.version = weight_version
 
     async def get_weights_by_name(self, name: str) -> torch.Tensor:
-        raise EngineError(f"engine {self.name}: the fake engine holds no weights")
+        raise EngineError(f"engine {self.name}: the scripted engine holds no weights")

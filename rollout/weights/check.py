@@ -35,10 +35,11 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-from rollout.engine import Engine, EngineError
+from rollout.engine import EngineError
 from rollout.weight_checksum import EngineChecksums, is_skipped, tensor_checksums
 
-from .weight_sync import run_all
+from .calls import run_all
+from .receiver import WeightReceiver
 
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 _SGLANG_MARKS = re.compile(r"(\.qkv_proj\.weight|\.gate_up_proj\.weight|\.experts\.w13_weight|\.experts\.w2_weight"
@@ -218,7 +219,7 @@ def _check_ranks_agree(checks: list[tuple[str, str, EngineChecksums]]) -> None:
                                               f"(checksum {rank.checksums.get(name)} vs {ref.checksums.get(name)})")
 
 
-async def check_weight_update_equal(engines: list[Engine], named_tensors: Iterable[tuple[str, torch.Tensor]],
+async def check_weight_update_equal(engines: list[WeightReceiver], named_tensors: Iterable[tuple[str, torch.Tensor]],
                                     dtype: Optional[torch.dtype] = None,
                                     timeout_s: float = 120.0) -> list[EngineWeightCheck]:
     """Compare every engine's /weights_checker checksums with the trainer's `named_tensors` (the HF

@@ -8,13 +8,15 @@ Seam: `WeightSync.push(named_tensors, version)` (async), built by `build_weight_
   nccl with CUDA, gloo otherwise.
 - DiskWeightSync: write HF safetensors shards, then /update_weights_from_disk on every engine.
 
-The update window (docs/weights.md): pause -> begin_weight_update (broadcast only: SGLang 0.5.23
-refuses distributed updates outside a session) -> transfer -> end_weight_update -> settle each
-prefix cache (rollout.engine.settle_prefix_cache) -> continue. With manage_pause (the default) push
-owns the whole window; the trainer builds its syncs with manage_pause=False and owns the window on
-the driver rank (sao_megatron/trainer/services.py), so with per-stage senders (pp > 1) each engine
-gets ONE pause and ONE session around every stage's push. Nothing here calls /health (it generates
-a token, and waits while the engines are paused): liveness is /model_info (`Engine.reachable`).
+The update window (docs/weights.md) has one owner, the driver rank of the trainer
+(sao_megatron/trainer/services.py): the rollout driver pauses the engines (RolloutDriver.weight_update),
+`update_session()` opens the engines' weight-update session (broadcast only: SGLang 0.5.23 refuses
+distributed updates outside one), every stage's sender pushes, the session closes, and the driver
+settles each prefix cache (rollout.engine.settle_prefix_cache) and resumes. `push` itself never
+pauses or resumes, so with per-stage senders (pp > 1) each engine gets ONE pause and ONE session
+around every stage's push. `settle_caches` settles idle engines when nothing was paused (at resume).
+Nothing here calls /health (it generates a token, and waits while the engines are paused): liveness
+is /model_info (`WeightReceiver.reachable`).
 Every step runs under cfg.timeout_s; a failing or silent engine raises EngineError naming it.
 
 Pipeline parallelism (weight_sync.senders): with `per_stage` (the default) each stage's first rank
@@ -36,17 +38,20 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from rollout.engine import Engine, EngineError, settle_prefix_cache
+from checkpoints.name_map import is_expert_hf_name
+from rollout.engine import EngineError, Generator, settle_prefix_cache
+from sao_megatron.core.backends import resolve_backend
+from sao_megatron.core.ports import free_port
 
-from .engine_calls import in_daemon_thread, payload_device, pinned, run_all, step_error
-from .name_map import is_expert_hf_name
-from .weight_buckets import Bucket, create_sender_group, iter_buckets
+from .buckets import Bucket, broadcast_flat, create_sender_group, iter_buckets
+from .calls import in_daemon_thread, payload_device, pinned, run_all, step_error
+from .receiver import WeightReceiver
 
 __all__ = ["WeightSync", "BroadcastWeightSync", "DiskWeightSync", "build_weight_sync", "settle_caches",
-           "non_expert_first", "run_all", "in_daemon_thread"]
+           "non_expert_first", "sender_address", "run_all", "in_daemon_thread"]
 
 SENDER = "trainer sender (rank 0)"
-SESSION_CLOSE_AFTER_FAILURE_S = 10.0   # cleanup after a failure (end session, continue) must not hold up the error
+SESSION_CLOSE_AFTER_FAILURE_S = 10.0   # closing the session after a failure must not hold up the error
 
 
 class WeightSync(abc.ABC):
@@ -63,13 +68,7 @@ class WeightSync(abc.ABC):
         """Release the transport (process group, files)."""
 
 
-def resolve_backend(backend: str) -> str:
-    if backend == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    return backend
-
-
-def sender_address(engines: list[Engine]) -> str:
+def sender_address(engines: list[WeightReceiver]) -> str:
     """The address engines reach this sender at: loopback when every engine is local, else the
     address of the interface that routes to the first remote engine (SAO_WEIGHT_SYNC_ADDR overrides)."""
     import os
@@ -87,12 +86,6 @@ def sender_address(engines: list[Engine]) -> str:
             return probe.getsockname()[0]
     except OSError:
         return socket.gethostbyname(socket.gethostname())
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def _cast(named: Iterable[tuple[str, torch.Tensor]], dtype: Optional[torch.dtype]):
@@ -124,12 +117,12 @@ def non_expert_first(named: Iterable[tuple[str, torch.Tensor]], max_held_bytes: 
     yield from held
 
 
-async def _require_reachable(engine: Engine) -> None:
+async def _require_reachable(engine: WeightReceiver) -> None:
     if not await engine.reachable():
         raise EngineError(f"engine {engine.name}: does not answer /model_info (is the server up?)")
 
 
-async def _begin_session(engine: Engine) -> None:
+async def _begin_session(engine: WeightReceiver) -> None:
     """begin_weight_update; when refused, close a session a failed earlier push left open and retry."""
     try:
         await engine.begin_weight_update()
@@ -139,47 +132,28 @@ async def _begin_session(engine: Engine) -> None:
         await engine.begin_weight_update()
 
 
-def _broadcast(flat: torch.Tensor, group) -> None:
-    import torch.distributed as dist
-
-    dist.broadcast(flat, src=0, group=group)
-
-
-async def settle_caches(engines: list[Engine], version: int, flush: bool, timeout_s: float) -> None:
-    """settle_prefix_cache on every engine (after the update, before resuming)."""
+async def settle_caches(engines: list[Generator], version: int, flush: bool, timeout_s: float) -> None:
+    """settle_prefix_cache on every engine: the update window's last step for engines nobody paused
+    (at resume, before the driver starts); the driver's window settles the engines it paused."""
     await run_all({f"engine {e.name}": settle_prefix_cache(e, version, flush) for e in engines},
                   "prefix cache settle", timeout_s)
 
 
-class _PausingSync(WeightSync):
-    """The update window shared by both transports; `_transfer` is what differs."""
+class _EngineSync(WeightSync):
+    """What both transports share: the engines, the liveness check, the dtype cast; `_transfer` differs.
+    The caller holds the update window (pause, session, settle, continue) around `push`."""
 
-    def __init__(self, cfg, engines: list[Engine], manage_pause: bool = True, dtype: Optional[torch.dtype] = None):
+    def __init__(self, cfg, engines: list[WeightReceiver], dtype: Optional[torch.dtype] = None):
         if not engines:
             raise ValueError("weight_sync: no engines to update; fix: start engines or set rollout.engine_urls")
-        self.cfg, self.engines, self.manage_pause, self.dtype = cfg, list(engines), manage_pause, dtype
+        self.cfg, self.engines, self.dtype = cfg, list(engines), dtype
 
     def _each(self, fn) -> dict[str, asyncio.Future]:
         return {f"engine {e.name}": fn(e) for e in self.engines}
 
     async def push(self, named_tensors, version: int) -> None:
         await run_all(self._each(_require_reachable), "liveness check (/model_info)", self.cfg.timeout_s)
-        named = _cast(named_tensors, self.dtype)
-        if not self.manage_pause:     # the caller holds the window (pause, session, settle, continue)
-            await self._transfer(named, version)
-            return
-        t, mode = self.cfg.timeout_s, self.cfg.pause_mode
-        await run_all(self._each(lambda e: e.pause(mode)), f"pause({mode})", t)
-        resume = lambda timeout: run_all(self._each(lambda e: e.resume()), "continue_generation", timeout)  # noqa: E731
-        try:
-            async with self.update_session():
-                await self._transfer(named, version)
-            await settle_caches(self.engines, version, flush=mode != "in_place", timeout_s=t)
-        except BaseException:
-            with contextlib.suppress(EngineError):   # best effort: the failure itself is what to report
-                await resume(min(SESSION_CLOSE_AFTER_FAILURE_S, t))
-            raise
-        await resume(t)
+        await self._transfer(_cast(named_tensors, self.dtype), version)
 
     @abc.abstractmethod
     async def _transfer(self, named_tensors, version: int) -> None: ...
@@ -193,17 +167,16 @@ def _engine_ranks(ranks_per_engine: int | Sequence[int], engines: int) -> list[i
     return ranks
 
 
-class BroadcastWeightSync(_PausingSync):
-    def __init__(self, cfg, engines: list[Engine], *, ranks_per_engine: int | Sequence[int] = 1,
-                 master_address: Optional[str] = None, stage: int = 0, manage_pause: bool = True,
-                 dtype: Optional[torch.dtype] = None):
-        super().__init__(cfg, engines, manage_pause, dtype)
+class BroadcastWeightSync(_EngineSync):
+    def __init__(self, cfg, engines: list[WeightReceiver], *, ranks_per_engine: int | Sequence[int] = 1,
+                 master_address: Optional[str] = None, stage: int = 0, dtype: Optional[torch.dtype] = None):
+        super().__init__(cfg, engines, dtype)
         self.engine_ranks, self.stage = _engine_ranks(ranks_per_engine, len(self.engines)), stage
         self.master_address = master_address or sender_address(self.engines)
-        self.backend = resolve_backend(cfg.backend)
-        if self.backend == "nccl" and not torch.cuda.is_available():
+        if cfg.backend == "nccl" and not torch.cuda.is_available():
             raise ValueError("weight_sync.backend = 'nccl' needs CUDA, and this process sees no GPU; "
                              "fix: set weight_sync.backend to 'gloo' or 'auto'")
+        self.backend = resolve_backend(cfg.backend)
         self.group, self.group_name = None, ""
         self.bytes_sent = 0
         self._buffers = [None, None]   # two reused flat payload buffers, grown to the largest bucket
@@ -240,7 +213,7 @@ class BroadcastWeightSync(_PausingSync):
         """Form the weight-update group (sender rank 0 + every engine rank); idempotent."""
         if self.group is not None:
             return
-        port, world = _free_port(), self.world_size
+        port, world = free_port(""), self.world_size   # every interface: remote engines connect
         name = f"sao_weights_pp{self.stage}_{uuid.uuid4().hex[:8]}"
         calls = {f"engine {e.name}": e.init_weights_update_group(self.master_address, port, offset, world, name,
                                                                  self.backend)
@@ -282,7 +255,7 @@ class BroadcastWeightSync(_PausingSync):
         names, dtypes, shapes = bucket.meta()
         calls = self._each(lambda e: e.update_weights_from_distributed(
             names, dtypes, shapes, self.group_name, version, flattened_bucket=True, flush_cache=False))
-        calls[SENDER] = in_daemon_thread(pinned, flat.device, _broadcast, flat, self.group)
+        calls[SENDER] = in_daemon_thread(pinned, flat.device, broadcast_flat, flat, self.group)
         what = f"weights {label} ({len(names)} tensors, {flat.numel()} bytes, version {version})"
         try:
             await run_all(calls, what, self.cfg.timeout_s)
@@ -316,18 +289,18 @@ class BroadcastWeightSync(_PausingSync):
         self.group = None
 
 
-class DiskWeightSync(_PausingSync):
+class DiskWeightSync(_EngineSync):
     """HF shards under disk_dir/v<version>, loaded by every engine; older versions are deleted.
     No session (SGLang's disk load needs none, and end_weight_update after it would post-process the
     loaded weights a second time); flush_cache=False, the window settles the cache."""
 
-    def __init__(self, cfg, engines: list[Engine], disk_dir: str | Path, *, aux_from: str | Path | None = None,
-                 manage_pause: bool = True, dtype: Optional[torch.dtype] = None, keep: int = 1):
-        super().__init__(cfg, engines, manage_pause, dtype)
+    def __init__(self, cfg, engines: list[WeightReceiver], disk_dir: str | Path, *,
+                 aux_from: str | Path | None = None, dtype: Optional[torch.dtype] = None, keep: int = 1):
+        super().__init__(cfg, engines, dtype)
         self.disk_dir, self.aux_from, self.keep = Path(disk_dir), aux_from, keep
 
     async def _transfer(self, named_tensors, version: int) -> None:
-        from .hf_io import save_hf_checkpoint
+        from checkpoints.hf_io import save_hf_checkpoint
 
         path = self.disk_dir / f"v{version}"
         await asyncio.to_thread(save_hf_checkpoint, path, named_tensors, self.aux_from)
@@ -339,7 +312,7 @@ class DiskWeightSync(_PausingSync):
             shutil.rmtree(stale, ignore_errors=True)
 
 
-def build_weight_sync(cfg, engines: list[Engine], run_dir: str | Path | None = None, *,
+def build_weight_sync(cfg, engines: list[WeightReceiver], run_dir: str | Path | None = None, *,
                       ranks_per_engine: int | Sequence[int] = 1, **kwargs) -> WeightSync:
     """The WeightSync named by cfg.method ("broadcast" | "disk"); kwargs go to its constructor.
     `ranks_per_engine` (each engine's TP size) shapes the broadcast group; disk needs no group."""

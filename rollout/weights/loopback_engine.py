@@ -1,4 +1,4 @@
-"""LoopbackEngine: an Engine whose only ability is the weight protocol, run in a local child process.
+"""LoopbackEngine: a WeightReceiver (the weight protocol and nothing else), run in a local child process.
 
 It joins weight-update groups (several, by name) and receives flattened buckets exactly as an SGLang
 rank does (docs/engines.md), only inside a begin/end_weight_update session as SGLang 0.5.23 requires,
@@ -13,11 +13,11 @@ import asyncio
 import datetime
 import math
 import multiprocessing as mp
-from typing import Optional
-
 import torch
 
-from rollout.engine import Engine, EngineError, GenerateRequest, GenerateResult
+from rollout.engine import EngineError
+
+from .receiver import WeightReceiver
 
 
 def _child(conn) -> None:
@@ -94,7 +94,7 @@ _OPS = {"join": _join, "receive": _receive, "receive_raw": _receive_raw, "destro
         "checksums": lambda state: _checksums(state["weights"])}
 
 
-class LoopbackEngine(Engine):
+class LoopbackEngine(WeightReceiver):
     def __init__(self, name: str, reply_timeout_s: float = 600.0, keep_weights: bool = True):
         self.name, self.reply_timeout_s, self.keep_weights = name, reply_timeout_s, keep_weights
         self.calls: list[str] = []
@@ -120,27 +120,6 @@ class LoopbackEngine(Engine):
     def _note(self, what: str) -> None:
         """Record a control call (hook for fault injection in tests)."""
         self.calls.append(what)
-
-    async def generate(self, request: GenerateRequest) -> GenerateResult:
-        raise EngineError(f"engine {self.name}: a LoopbackEngine only receives weights; it cannot generate")
-
-    async def abort(self, rid: Optional[str] = None) -> None:
-        self._note("abort_request")
-
-    async def pause(self, mode: str = "in_place") -> None:
-        self._note(f"pause_generation:{mode}")
-
-    async def resume(self) -> None:
-        self._note("continue_generation")
-
-    async def flush_cache(self) -> None:
-        self._note("flush_cache")
-
-    async def health(self) -> bool:
-        self._note("health")
-        if not self._proc.is_alive():
-            raise EngineError(f"engine {self.name}: receiver process exited with code {self._proc.exitcode}")
-        return True
 
     async def weight_version(self) -> int:
         self._note("model_info")

@@ -1,0 +1,82 @@
+"""The rollout driver's view of its engines' health: pick the least-loaded live engine, mark one dead
+when a call fails (aborting the request it held), and bring dead engines back when /health passes.
+
+`EngineHealth` is a part of `RolloutDriver` (rollout/driver.py), split out by concern; it works on the
+driver's state: ``engines`` {name: Generator}, ``_load`` {name: requests in flight}, ``_dead`` (names),
+``_versions`` {name: weight version}, ``_update_lock`` (held through a weight update), ``counts``,
+``_error`` and ``_progress`` (how a failure reaches get_batch), and the timing settings
+``probe_interval_s``, ``control_timeout_s``, ``stall_timeout_s``.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from rollout.engine import EngineError, Generator
+
+log = logging.getLogger("rollout.driver")
+
+ENGINE_FAILURES = (EngineError, asyncio.TimeoutError, OSError)
+
+
+class DriverError(RuntimeError):
+    """The rollout driver cannot make progress (all engines down, a worker crashed, a stall)."""
+
+
+class EngineHealth:
+    async def _pick_engine(self) -> Generator:
+        """The least-loaded live engine; waits for a revival, fails after stall_timeout_s."""
+        deadline = time.monotonic() + self.stall_timeout_s
+        while True:
+            live = [n for n in self.engines if n not in self._dead]
+            if live:
+                return self.engines[min(live, key=lambda n: self._load[n])]
+            if time.monotonic() > deadline:
+                self._error = DriverError(f"all engines are down ({sorted(self.engines)}) for "
+                                          f"{self.stall_timeout_s:.0f}s; check the servers and their logs")
+                self._progress.set()
+                raise self._error
+            await asyncio.sleep(self.probe_interval_s)
+
+    async def _engine_failed(self, engine: Generator, rid: str, reason: str) -> None:
+        self.counts["engine_errors"] += 1
+        if engine.name not in self._dead:
+            log.warning("engine %s failed (%s); retrying its requests elsewhere", engine.name, reason)
+        self._dead.add(engine.name)
+        with contextlib.suppress(*ENGINE_FAILURES):   # best effort: the engine may be gone
+            await asyncio.wait_for(engine.abort(rid), min(self.control_timeout_s, 5.0))
+
+    async def _probe_loop(self) -> None:
+        while self._running:
+            await asyncio.sleep(self.probe_interval_s)
+            if self._update_lock.locked():   # /health generates: it would wait on a paused engine
+                continue
+            for name in sorted(self._dead):
+                engine = self.engines[name]
+                try:
+                    healthy = await asyncio.wait_for(engine.health(), self.probe_interval_s * 5)
+                    if healthy:
+                        self._versions[name] = await asyncio.wait_for(engine.weight_version(), self.control_timeout_s)
+                except ENGINE_FAILURES:
+                    healthy = False
+                if healthy:
+                    log.info("engine %s is healthy again", name)
+                    self._dead.discard(name)
+            self._fill()
+
+    async def _control(self, engine: Generator, coro):
+        """A control call (pause/resume/version) with a timeout; failure names the engine."""
+        try:
+            return await asyncio.wait_for(coro, self.control_timeout_s)
+        except ENGINE_FAILURES as exc:
+            raise DriverError(f"engine {engine.name}: control call failed ({type(exc).__name__}: {exc}); "
+                              "is the server up?") from exc
+
+    def _stall_message(self) -> str:
+        if len(self._dead) == len(self.engines):
+            return (f"all engines are down ({sorted(self.engines)}) for {self.stall_timeout_s:.0f}s; "
+                    "check the servers and their logs")
+        return (f"no sample finished for {self.stall_timeout_s:.0f}s: {len(self._active)} in flight, "
+                f"load {self._load}, dead engines {sorted(self._dead)}, buffer {self.buffer.num_ready} ready")
