@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from sao_megatron.core.records import TrainBatch
+from sao_megatron.core.records import TrainBatch, action_counts
 
 _ROW_FIELDS = ("tokens", "lengths", "loss_mask", "rollout_logprobs", "advantages", "returns", "weight_versions",
                "old_logprobs", "ref_logprobs", "old_values", "routed_experts")
@@ -93,33 +93,19 @@ def split_by_token_budget(batch: TrainBatch, budget: int, seq_multiple: int = 1)
 
 
 def local_num_tokens(batches: list[TrainBatch]) -> float:
-    """Action tokens (loss_mask sum) in these micro-batches."""
-    return float(sum(float(b.loss_mask.sum()) for b in batches))
-
-
-def global_num_tokens(batches: list[TrainBatch], group=None) -> float:
-    """Action tokens over these micro-batches and every DP rank of `group` (default: Megatron's DP group)."""
-    from .distributed import comm_device
-
-    total = torch.tensor([local_num_tokens(batches)], dtype=torch.float64, device=comm_device())
-    if torch.distributed.is_initialized():
-        if group is None:
-            from megatron.core import parallel_state
-
-            group = parallel_state.get_data_parallel_group()
-        torch.distributed.all_reduce(total, group=group)
-    return float(total.item())
+    """Action tokens (loss_mask sum) in these micro-batches (records.action_counts counts them)."""
+    return action_counts(batches)[0]
 
 
 def with_global_counts(batches: list[TrainBatch], group=None) -> list[TrainBatch]:
-    """Set global_num_tokens / global_num_seqs on every micro-batch (all DP ranks agree on them)."""
+    """Set global_num_tokens / global_num_seqs on every micro-batch: records.action_counts summed over
+    every DP rank of `group` (default: Megatron's DP group), so all ranks agree on them."""
     from .distributed import comm_device
 
-    seqs = torch.tensor([float(sum(int((b.loss_mask.sum(1) > 0).sum()) for b in batches))], dtype=torch.float64,
-                        device=comm_device())
-    tokens = global_num_tokens(batches, group)
+    counts = torch.tensor(action_counts(batches), dtype=torch.float64, device=comm_device())
     if torch.distributed.is_initialized():
         from megatron.core import parallel_state
 
-        torch.distributed.all_reduce(seqs, group=group or parallel_state.get_data_parallel_group())
-    return [replace(b, global_num_tokens=tokens, global_num_seqs=float(seqs.item())) for b in batches]
+        torch.distributed.all_reduce(counts, group=group or parallel_state.get_data_parallel_group())
+    tokens, seqs = counts.tolist()
+    return [replace(b, global_num_tokens=tokens, global_num_seqs=seqs) for b in batches]
