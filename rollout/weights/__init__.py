@@ -2,7 +2,7 @@
 
 The seam is `WeightSync.push(named_tensors, version)` (async), built by `build_weight_sync(cfg, engines)`,
 against engines in the `WeightReceiver` role. The trainer's driver rank holds the update window
-around every push (sao_megatron/trainer/services.py): the rollout driver pauses and resumes the
+around every push (sao_megatron/trainer/weight_updates.py): the rollout driver pauses and resumes the
 engines (the one owner of pause/resume), `WeightSync.update_session()` opens the engines'
 weight-update session.
 

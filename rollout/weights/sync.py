@@ -9,7 +9,7 @@ Seam: `WeightSync.push(named_tensors, version)` (async), built by `build_weight_
 - DiskWeightSync: write HF safetensors shards, then /update_weights_from_disk on every engine.
 
 The update window (docs/weights.md) has one owner, the driver rank of the trainer
-(sao_megatron/trainer/services.py): the rollout driver pauses the engines (RolloutDriver.weight_update),
+(sao_megatron/trainer/weight_updates.py): the rollout driver pauses the engines (RolloutDriver.weight_update),
 `update_session()` opens the engines' weight-update session (broadcast only: SGLang 0.5.23 refuses
 distributed updates outside one), every stage's sender pushes, the session closes, and the driver
 settles each prefix cache (rollout.engine.settle_prefix_cache) and resumes. `push` itself never
