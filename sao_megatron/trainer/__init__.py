@@ -1,1 +1,1 @@
-"""The RL loop (`sao train`): loop.py reads top to bottom; services.py builds what it talks to."""
+"""The RL loop (`sao train`): loop.py reads top to bottom; components.py builds what it talks to once."""

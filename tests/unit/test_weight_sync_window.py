@@ -55,7 +55,7 @@ class SessionSync:
             e.version = version
 
 
-def _services(engines, driver, mode="in_place", fail=False, rank=0, world_size=1, sender=None):
+def _window(engines, driver, mode="in_place", fail=False, rank=0, world_size=1, sender=None):
     """A WeightUpdates with only what the window touches."""
     policy = SimpleNamespace(export_hf=lambda scope="all": iter([("w", None)] * 3))
     recipe = SimpleNamespace(weight_sync=SimpleNamespace(pause_mode=mode, timeout_s=30.0, check_equal=False,
@@ -72,7 +72,7 @@ def test_window_order_per_pause_mode(mode, flushed):
         driver = _driver(engines)
         await driver.start()
         await asyncio.sleep(0.05)                     # requests in flight when the update starts
-        await _services(engines, driver, mode)._update_weights(1, pause=True)
+        await _window(engines, driver, mode)._update_weights(1, pause=True)
         for _ in range(10):                           # room in the buffer: new prompts are drawn
             await driver.get_batch(4, 1)
             if any("sao-w1" in e.namespaces.values() for e in engines):
@@ -101,7 +101,7 @@ def test_in_place_never_flushes_while_paused_requests_hold_kv():
         await driver.start()
         await asyncio.sleep(0.05)
         running = len(engines[0]._running)
-        await _services(engines, driver, "in_place")._update_weights(2, pause=True)
+        await _window(engines, driver, "in_place")._update_weights(2, pause=True)
         await driver.stop()
         return running
 
@@ -116,7 +116,7 @@ def test_failed_push_still_closes_the_session_and_resumes():
         driver = _driver(engines)
         await driver.start()
         with pytest.raises(RuntimeError, match="bucket 0 refused"):
-            await _services(engines, driver, "abort", fail=True)._update_weights(3, pause=True)
+            await _window(engines, driver, "abort", fail=True)._update_weights(3, pause=True)
         await driver.stop()
 
     asyncio.run(main())
@@ -128,7 +128,7 @@ def test_failed_push_still_closes_the_session_and_resumes():
 def test_resume_push_opens_a_session_without_pausing():
     """At resume nothing runs yet: no pause, one session, then the idle engines are flushed."""
     engines = [FakeEngine("e0")]
-    asyncio.run(_services(engines, None)._update_weights(4, pause=False))
+    asyncio.run(_window(engines, None)._update_weights(4, pause=False))
     assert engines[0].calls == ["begin_weight_update", "push v4: 3 tensors", "end_weight_update", "flush_cache"]
     assert engines[0].cache_namespace == "sao-w4"
 
@@ -141,13 +141,13 @@ def _two_rank_window(fail_rank: int) -> str:
     rank = dist.get_rank()
     engines = [FakeEngine("e0")]
     sender = SessionSync([FakeEngine("stage-sender-view")], fail=rank == fail_rank) if rank != 0 else None
-    services = _services(engines, None, fail=rank == fail_rank, rank=rank, world_size=2, sender=sender)
+    window = _window(engines, None, fail=rank == fail_rank, rank=rank, world_size=2, sender=sender)
     if fail_rank == 0:
         async def broken(window, version, pause):
             raise ConnectionError("engine e0: /begin_weight_update failed")
-        services._open_window = broken
+        window._open_window = broken
     try:
-        asyncio.run(services._update_weights(5, pause=False))
+        asyncio.run(window._update_weights(5, pause=False))
     except Exception as err:  # noqa: BLE001 - the outcome is the test's result
         return f"{type(err).__name__}: {err}"
     return "ok"
