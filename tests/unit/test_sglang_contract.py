@@ -8,38 +8,19 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import subprocess
-import sys
-import zipfile
-from pathlib import Path
 
 import pytest
+from sglang_wheel import load_sources
 
 from rollout.engine import GenerateRequest
 from rollout.sglang_client import (META_INFO_FIELDS, ROUTES, SAMPLING_FIELDS, SGLANG_VERSION, SGLangEngine,
                                    generate_body)
 from rollout.sglang_launcher import SGLangArgs, build_sglang_command
 
-CACHE = Path(__file__).resolve().parents[2] / "build" / "sglang_wheel"
-
 
 @pytest.fixture(scope="module")
 def sglang_sources() -> dict[str, str]:
-    wheels = sorted(CACHE.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
-    if not wheels:
-        CACHE.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", f"sglang=={SGLANG_VERSION}", "--no-deps", "-d", str(CACHE)]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"package registry unreachable: `{' '.join(cmd)}` took over 600 s")
-        wheels = sorted(CACHE.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
-        if done.returncode or not wheels:
-            pytest.fail(f"package registry unreachable or sglang=={SGLANG_VERSION} missing: "
-                        f"`{' '.join(cmd)}` exited {done.returncode}: {done.stderr.strip()[-800:]}")
-    with zipfile.ZipFile(wheels[-1]) as wheel:
-        return {name: wheel.read(name).decode() for name in wheel.namelist()
-                if name.startswith("sglang/srt/") and name.endswith(".py")}
+    return load_sources()
 
 
 def routes_of(source: str) -> dict[str, set[str]]:
