@@ -9,12 +9,19 @@
   n = L/(pp*vpp) layers per chunk, virtual chunk v of pipeline rank p holds global layers
   [v*L/vpp + p*n, v*L/vpp + (p+1)*n), numbered locally from 0. The embedding lives on (p=0, v=0),
   the final norm and output layer on (p=pp-1, v=vpp-1).
+
+A ShardLayout is one rank's coordinates and slicing rules, not a second layout record: its sizes
+are checked by `dims()`, the ParallelDims of the smallest world holding these shards
+(sao_megatron/core/dims.py has the one copy of the layout rules).
 """
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, replace
 from typing import Iterator
+
+from sao_megatron.core.dims import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,13 @@ class ShardLayout:
     def expert_tp_rank(self) -> int:
         # etp=1 under tp>1: every TP rank holds whole experts (expert-TP rank 0).
         return self.tp_rank % self.expert_tp_size if self.etp_rank < 0 else self.etp_rank
+
+    def dims(self) -> ParallelDims:
+        """The layout these shards belong to, with the fewest data-parallel ranks that fit ep*etp."""
+        expert = self.ep_size * self.expert_tp_size
+        dp = expert // math.gcd(self.tp_size, expert)
+        return ParallelDims(tp=self.tp_size, pp=self.pp_size, vpp=self.vpp_size, ep=self.ep_size,
+                            etp=self.expert_tp_size, dp=dp)
 
     def padded_vocab(self, vocab_size: int) -> int:
         if self.padded_vocab_size:

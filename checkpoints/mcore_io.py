@@ -13,9 +13,12 @@ local-spec GPTModel chunk accepts in `load_state_dict` (tests/distributed/test_c
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+
+from sao_megatron.core.shape import shape_from_hf
 
 from .arch import spec_from_hf_config
 from .convert import hf_to_mcore, iter_mcore_to_hf
@@ -36,6 +39,8 @@ def save_mcore_dir(hf_dir: str | Path, out_dir: str | Path, layout: ShardLayout,
     hf = HFCheckpoint(hf_dir)
     cfg = hf.config()
     spec = spec_from_hf_config(cfg, arch)
+    dims = layout.dims()
+    dims.validate(dims.world_size, replace(shape_from_hf(cfg, spec.arch), mla=spec.mla))  # LayoutError names the size
     _check_names(hf, spec)
     out = Path(out_dir)
     (out / "shards").mkdir(parents=True, exist_ok=True)

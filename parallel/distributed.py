@@ -22,9 +22,8 @@ from typing import Any, Callable
 import torch
 
 from sao_megatron.core.backends import resolve_backend
+from sao_megatron.core.dims import ParallelDims
 from sao_megatron.core.ports import free_port
-
-from .dims import ParallelDims
 
 DEFAULT_TIMEOUT_S = 300.0
 

@@ -147,6 +147,23 @@ def run_layouts(model_dir: str | Path, names: list[str], steps: int = 2, num_bat
     return {name: run_layout(model_dir, table[name], hf_tensors, batches, steps) for name in names}
 
 
+def check_fit(model_dir: str | Path, names: list[str], world_size: int, layouts: Optional[dict] = None) -> None:
+    """Every named layout against the model and the world before any rank starts (ParallelDims.validate);
+    a LayoutError names the layout, the recipe field and the fix."""
+    from sao_megatron.core.dims import LayoutError, ParallelDims
+
+    from .model_build import read_hf_config
+    from .specs import arch_shape
+
+    shape = arch_shape(read_hf_config(model_dir))
+    for name in names:
+        par = make_recipe(model_dir, (layouts or LAYOUTS)[name]).parallel
+        try:
+            ParallelDims.from_config(par, world_size).validate(world_size, shape)
+        except LayoutError as err:
+            raise LayoutError(err.field, f"layout {name!r}: {err.problem}", err.fix) from None
+
+
 def compare(result: dict, reference: dict) -> dict[str, float]:
     """Max |delta| of logprobs, loss and grad norm between a layout's result and the reference."""
     logp = max(float((a - b).abs().max()) for a, b in zip(result["first"], reference["first"]))

@@ -23,6 +23,8 @@ import copy
 from dataclasses import dataclass, fields
 
 from checkpoints.arch import BY_MODEL_TYPE, named_shapes
+from sao_megatron.core.shape import is_mla
+from sao_megatron.core.shape import routed_experts as num_experts
 
 SHAPES: dict[str, dict] = named_shapes()
 
@@ -58,10 +60,6 @@ class LayerParams:
         return self.total - self.routed_experts + self.routed_active
 
 
-def num_experts(cfg: dict) -> int:
-    return int(cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-
-
 def is_moe_layer(cfg: dict, layer: int) -> bool:
     """HF rules: DeepSeek/GLM use `first_k_dense_replace`; Qwen3-MoE uses decoder_sparse_step/mlp_only_layers."""
     if not num_experts(cfg):
@@ -70,10 +68,6 @@ def is_moe_layer(cfg: dict, layer: int) -> bool:
         return layer >= cfg["first_k_dense_replace"]
     step = cfg.get("decoder_sparse_step", 1) or 1
     return layer not in (cfg.get("mlp_only_layers") or []) and (layer + 1) % step == 0
-
-
-def is_mla(cfg: dict) -> bool:
-    return bool(cfg.get("kv_lora_rank"))
 
 
 def attention_params(cfg: dict) -> tuple[int, int]:

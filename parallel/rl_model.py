@@ -19,11 +19,11 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
+from sao_megatron.core.dims import ParallelDims
 from sao_megatron.core.records import LossOutputs, TrainBatch
 
 from . import model_build, specs
 from .context_parallel import ContextParallel
-from .dims import ParallelDims
 from .distributed import comm_device
 from .hf_mapping import HFMapping
 from .logprobs import shift_to_tokens, token_logprobs_from_logits

@@ -17,7 +17,7 @@ import torch
 from checkpoints.arch import ArchShape, SpecError, arch_shape, family_of_config
 from checkpoints.arch.megatron_parts import rope_theta
 
-from .dims import ParallelDims
+from sao_megatron.core.dims import ParallelDims
 
 VOCAB_PAD_MULTIPLE = 128
 

@@ -7,12 +7,15 @@ by recipe name (`family`) or by config.json model_type (`family_of_config`).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping
 
+from sao_megatron.core.shape import ArchShape, shape_from_hf
+
 from . import glm4_moe, glm5, qwen3_moe
-from .family import Family, SpecError, hf_get
-from .spec import ArchShape, ArchSpec
+from .family import Family, SpecError
+from .spec import ArchSpec
 
 FAMILIES: tuple[Family, ...] = (qwen3_moe.FAMILY, glm4_moe.FAMILY, glm5.FAMILY)
 ARCHS: dict[str, Family] = {f.name: f for f in FAMILIES}
@@ -53,15 +56,10 @@ def spec_from_hf_dir(path: str | Path, arch: str = "") -> ArchSpec:
 
 
 def arch_shape(hf: Mapping[str, Any]) -> ArchShape:
-    """The layout-validation numbers of an HF config dict."""
+    """The layout-validation numbers of an HF config dict: core's key-name reading plus the family's
+    name, MLA flag and leading dense layers."""
     fam = family_of_config(hf)
-    return ArchShape(
-        arch=fam.name, num_layers=int(hf["num_hidden_layers"]), hidden_size=int(hf["hidden_size"]),
-        num_heads=int(hf["num_attention_heads"]),
-        num_kv_heads=int(hf_get(hf, "num_key_value_heads", default=hf["num_attention_heads"])),
-        num_experts=int(hf_get(hf, "num_experts", "n_routed_experts", "num_local_experts")),
-        top_k=int(hf["num_experts_per_tok"]), vocab_size=int(hf["vocab_size"]),
-        first_dense_layers=fam.dense_first_layers(hf))
+    return replace(shape_from_hf(hf, fam.name), first_dense_layers=fam.dense_first_layers(hf), mla=fam.mla)
 
 
 def named_shapes() -> dict[str, dict]:

@@ -4,8 +4,9 @@
   module (qwen3_moe.py, glm4_moe.py, glm5.py) reads a config into one; checkpoints/name_map.py and
   convert.py do the rest generically, because the families share the on-disk HF layout
   `model.layers.L.{self_attn,mlp}.*` and differ only in which optional tensors exist.
-- `ArchShape`: the numbers layout validation needs (ParallelDims.validate, parallel/layout_check.py),
-  built by checkpoints.arch.arch_shape without the name map's per-tensor checks.
+- `ArchShape` (defined in sao_megatron/core/shape.py, re-exported by checkpoints.arch): the numbers layout validation
+  needs (ParallelDims.validate), built by checkpoints.arch.arch_shape without the name map's per-tensor
+  checks. It lives in the bottom layer because the recipe check validates layouts too.
 """
 from __future__ import annotations
 
@@ -49,22 +50,3 @@ def config_get(cfg: dict, arch: str, *keys: str, default=None):
     if default is not None:
         return default
     raise ValueError(f"{arch} config.json has none of {keys}; fix: is this an {arch} checkpoint?")
-
-
-@dataclass(frozen=True)
-class ArchShape:
-    """The numbers layout validation needs (ParallelDims.validate)."""
-
-    arch: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    num_experts: int
-    top_k: int
-    vocab_size: int
-    first_dense_layers: int = 0
-
-    @property
-    def num_moe_layers(self) -> int:
-        return self.num_layers - self.first_dense_layers

@@ -1,11 +1,13 @@
 """Activation bytes one rank stores for backward: per layer per token, times the micro-batches in flight."""
 from __future__ import annotations
 
+from sao_megatron.core.dims import ParallelDims
+
 from ..model_shapes import has_qk_norm, is_mla, is_moe_layer
-from .layouts import Layout, stage_ranges
+from .layouts import stage_ranges
 
 
-def layer_activation_elems(cfg: dict, moe: bool, layout: Layout, recompute: str, kernels: str = "te",
+def layer_activation_elems(cfg: dict, moe: bool, layout: ParallelDims, recompute: str, kernels: str = "te",
                            seq_len: int = 0) -> float:
     """Stored activation elements per token of the micro-batch for one layer on one rank.
 
@@ -37,7 +39,7 @@ def layer_activation_elems(cfg: dict, moe: bool, layout: Layout, recompute: str,
     return (attn + mlp) / layout.cp
 
 
-def _local_layer_elems(cfg: dict, moe: bool, layout: Layout, recompute: str, seq_len: int) -> float:
+def _local_layer_elems(cfg: dict, moe: bool, layout: ParallelDims, recompute: str, seq_len: int) -> float:
     """Elements per token autograd saves in one layer of Megatron-Core's local spec (unfused kernels).
 
     Counted tensor by tensor from what each module saves for backward (bench/parallel.py measures
@@ -89,7 +91,7 @@ def _attention_dims(cfg: dict) -> tuple[int, int, int, int]:
     return nh * hd, nkv * hd, nh * hd, 0
 
 
-def in_flight_micro_batches(layout: Layout, stage: int) -> float:
+def in_flight_micro_batches(layout: ParallelDims, stage: int) -> float:
     """1F1B keeps pp - stage micro-batches alive; interleaving adds (pp-1)/(pp·vpp) on stage 0
     (Narayanan et al. 2021; Korthikanti et al. 2022, eq. for the interleaved schedule)."""
     if layout.vpp > 1:
@@ -97,7 +99,7 @@ def in_flight_micro_batches(layout: Layout, stage: int) -> float:
     return float(layout.pp - stage)
 
 
-def activation_bytes(cfg: dict, layout: Layout, stage: int, tokens: int, recompute: str, act_bytes: int,
+def activation_bytes(cfg: dict, layout: ParallelDims, stage: int, tokens: int, recompute: str, act_bytes: int,
                      value_head: bool = False, kernels: str = "te", seq_len: int = 0) -> float:
     """Activation memory of one rank of `stage` for micro-batches of `tokens` tokens (before CP).
     seq_len: the padded row length (local kernels only; 0 = one row of `tokens`)."""

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sao_megatron.core.dims import ParallelDims
+
 from ..model_shapes import LayerParams, all_layers, embedding_params, head_params
-from .layouts import Layout, stage_ranges
+from .layouts import stage_ranges
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,7 @@ def _layer_split(p: LayerParams, trainable: str) -> tuple[int, int, int, int, in
     return split, repl, p.routed_experts, p.attention + p.dense_mlp + p.mtp_extra, p.indexer
 
 
-def rank_params(cfg: dict, layout: Layout, stage: int, trainable: str = "all", value_head: bool = False) -> RankParams:
+def rank_params(cfg: dict, layout: ParallelDims, stage: int, trainable: str = "all", value_head: bool = False) -> RankParams:
     """Parameters on one rank of pipeline stage `stage`. trainable: 'all' | 'moe_only' (critic)."""
     layers = all_layers(cfg)
     sums = [0, 0, 0, 0, 0]  # split, replicated, expert, frozen split, frozen replicated
@@ -56,7 +58,7 @@ def rank_params(cfg: dict, layout: Layout, stage: int, trainable: str = "all", v
                       float(frozen_repl))
 
 
-def model_total_from_ranks(cfg: dict, layout: Layout) -> float:
+def model_total_from_ranks(cfg: dict, layout: ParallelDims) -> float:
     """Σ over stages of one copy of each shard: must equal count_parameters(cfg).total."""
     total = 0.0
     for stage in range(layout.pp):

@@ -4,6 +4,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field, replace
 
+from sao_megatron.core.dims import ParallelDims
+
 from ..model_shapes import num_experts
 from .engine import EngineMemory, EngineOptions, engine_memory
 from .layouts import GpuSpec, Layout, layout_problem
@@ -22,7 +24,7 @@ class PlanInput:
     gpu: GpuSpec
     gpus_per_node: int
     rollout_gpus: int            # 0 = colocated (engines share the trainer GPUs, phases alternate)
-    layout: Layout
+    layout: ParallelDims
     train: TrainOptions
     engine: EngineOptions
     critic: bool = True

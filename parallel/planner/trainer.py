@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sao_megatron.core.dims import ParallelDims
+
 from .activations import activation_bytes
-from .layouts import Layout
 from .params import rank_params
 
 
@@ -36,7 +37,7 @@ class ModelMemory:
         return self.weights + self.gradients + self.optimizer + self.activations
 
 
-def model_memory(cfg: dict, layout: Layout, world: int, opts: TrainOptions, critic: bool = False,
+def model_memory(cfg: dict, layout: ParallelDims, world: int, opts: TrainOptions, critic: bool = False,
                  freeze_attention: bool = True) -> ModelMemory:
     """Per-GPU memory of the policy (critic=False) or the critic (value head; SAO frozen attention)."""
     trainable = "moe_only" if critic and freeze_attention else "all"
@@ -49,8 +50,8 @@ def _stage_memory(cfg, layout, world, opts, stage, trainable, critic) -> ModelMe
     b_w = 4 if opts.dtype == "fp32" else 2
     dense_trainable = p.tp_split + p.replicated - p.frozen_dense
     b_opt = 8 if opts.dtype == "fp32" else 12
-    dense_shard = layout.dp(world) * layout.cp if opts.distributed_optimizer else 1
-    expert_shard = layout.expert_dp(world) if opts.distributed_optimizer else 1
+    dense_shard = layout.data_parallel(world) * layout.cp if opts.distributed_optimizer else 1
+    expert_shard = layout.expert_data_parallel(world) if opts.distributed_optimizer else 1
     optimizer = b_opt * (dense_trainable / dense_shard + p.expert / expert_shard)
     acts = activation_bytes(cfg, layout, stage, opts.micro_batch_tokens, opts.recompute, b_w, value_head=critic,
                             kernels=opts.kernels, seq_len=opts.seq_len)

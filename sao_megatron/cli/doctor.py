@@ -63,7 +63,8 @@ def run(args) -> int:
         print(f"{key:>20}: {value}")
     if args.world_size == 1:
         return 0
-    from parallel.layout_check import layouts_for_world
+    from parallel.layout_check import check_fit, layouts_for_world
+    from sao_megatron.core.dims import LayoutError
 
     fits = layouts_for_world(args.world_size)
     names = [n for n in args.layouts.split(",") if n] or fits
@@ -73,6 +74,11 @@ def run(args) -> int:
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or _tiny_model(Path(tmp))
+        try:
+            check_fit(model_dir, names, args.world_size)
+        except LayoutError as err:
+            print(f"sao doctor: {err}", file=sys.stderr)
+            return 2
         table = check_layouts(model_dir, args.world_size, names, args.steps, args.timeout)
     print(f"\nlayouts on {args.world_size} ranks vs 1 rank ({args.steps} steps):")
     print(f"{'layout':>14} {'max|dlogp|':>12} {'max|dloss|':>12} {'max|dgradnorm|':>15}  ok")

@@ -71,7 +71,7 @@ def render_plan(plan, model_name: str) -> str:
     if plan.problem:
         return "\n".join(lines + [f"layout {inp.layout.short()}: cannot run: {plan.problem}", "verdict: DOES NOT FIT"])
     lay = inp.layout
-    lines.append(f"layout {lay.short()}: dp {lay.dp(plan.world)}, expert-dp {lay.expert_dp(plan.world)}, recompute "
+    lines.append(f"layout {lay.short()}: dp {lay.data_parallel(plan.world)}, expert-dp {lay.expert_data_parallel(plan.world)}, recompute "
                  f"{inp.train.recompute}, micro-batch {inp.train.micro_batch_tokens} tokens, distributed optimizer "
                  f"{'on' if inp.train.distributed_optimizer else 'off'}, optimizer offload "
                  f"{'on' if inp.train.optimizer_offload else 'off'}"

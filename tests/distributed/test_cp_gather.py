@@ -61,7 +61,7 @@ def _cp_rank() -> dict:
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     from parallel.context_parallel import ContextParallel
-    from parallel.dims import ParallelDims
+    from sao_megatron.core.dims import ParallelDims
     from parallel.distributed import init_model_parallel, teardown_model_parallel
     from parallel.packing import pad_seq, seq_multiple
     from parallel.rl_model import RLModel, _call_loss

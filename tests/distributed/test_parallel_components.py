@@ -13,7 +13,7 @@ VOCAB = 101  # not a multiple of tp: exercises the padded columns
 def _vocab_parallel(seed: int = 0) -> dict:
     from megatron.core import parallel_state
 
-    from parallel.dims import ParallelDims
+    from sao_megatron.core.dims import ParallelDims
     from parallel.distributed import init_model_parallel, teardown_model_parallel
     from parallel.logprobs import vocab_parallel_logprobs_entropy
 

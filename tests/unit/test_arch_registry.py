@@ -76,7 +76,7 @@ def test_unknown_family_name_lists_the_known_ones():
 @pytest.mark.parametrize("name", _recipe_archs())
 def test_megatron_config_kind_follows_the_entry(name):
     from parallel import specs
-    from parallel.dims import ParallelDims
+    from sao_megatron.core.dims import ParallelDims
 
     fam = ARCHS[name]
     shape = next(iter(fam.shapes.values()))

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from parallel.dims import LayoutError, ParallelDims
-from parallel.specs import ArchShape
+from sao_megatron.core.dims import LayoutError, ParallelDims
+from sao_megatron.core.shape import ArchShape
 from sao_megatron.core.config.schema import ParallelConfig
 
 TINY = ArchShape(arch="qwen3_moe", num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, num_experts=8,
@@ -12,7 +12,7 @@ TINY = ArchShape(arch="qwen3_moe", num_layers=4, hidden_size=64, num_heads=4, nu
 
 
 def test_world_size_mismatch_names_fields():
-    with pytest.raises(LayoutError, match=r"tp\*cp\*pp\*dp = 2\*1\*1\*1 = 2 but the world has 4"):
+    with pytest.raises(LayoutError, match=r"tp\*cp\*pp\*dp = 2\*1\*1\*1 = 2 != world_size 4"):
         ParallelDims(tp=2).validate(4, TINY)
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from parallel import specs
-from parallel.dims import ParallelDims
+from sao_megatron.core.dims import ParallelDims
 from parallel.fp8 import FP8Unavailable, fp8_config_kwargs
 
 GLM45 = dict(model_type="glm4_moe", num_hidden_layers=4, hidden_size=64, num_attention_heads=4,

@@ -72,19 +72,11 @@ class Recipe:
                               f"{rollout.batch_size}", "use at most batch_size mini-batches")
 
     def _check_parallel(self) -> None:
+        from ..dims import ParallelDims  # imported here: dims.py imports this package's ConfigError
+
         par = self.parallel
-        base = par.tp * par.pp * par.cp
         world = par.resolved_world_size()
-        if world % base:
-            raise ConfigError("parallel.world_size", f"{world} is not divisible by tp*pp*cp = {base}",
-                              "make world_size a multiple of tp*pp*cp")
-        if par.dp and par.world_size and par.dp * base != par.world_size:
-            raise ConfigError("parallel.dp", f"tp*pp*cp*dp = {par.dp * base} != world_size {par.world_size}",
-                              "set parallel.dp = 0 (auto) or make the product equal world_size")
-        etp = par.etp or par.tp
-        if (world // par.pp) % (par.ep * etp):
-            raise ConfigError("parallel.ep", f"ep*etp = {par.ep * etp} does not divide world_size/pp = "
-                              f"{world // par.pp}", "choose ep so that ep*etp divides the ranks of one stage")
+        ParallelDims.from_config(par, world).validate(world)  # the layout rules: core/dims.py
         if par.cp > 1 and self.model.transformer_impl == "local":
             raise ConfigError("parallel.cp", f"{par.cp} needs Transformer Engine attention (Megatron-Core's local "
                               "attention asserts cp == 1)", "set model.transformer_impl = 'auto' or "
@@ -122,20 +114,12 @@ class Recipe:
 
 
 def check_model_fits_layout(recipe: Recipe, hf: dict) -> None:
-    """Divisibility of heads, experts and layers by the layout, from the HF config.json alone."""
-    par = recipe.parallel
-    heads = hf.get("num_attention_heads", 0)
-    kv = hf.get("num_key_value_heads", heads)
-    experts = hf.get("num_experts") or hf.get("n_routed_experts") or hf.get("num_local_experts") or 0
-    layers = hf.get("num_hidden_layers", 0)
-    if heads and (heads % par.tp or kv % par.tp):
-        raise ConfigError("parallel.tp", f"tp={par.tp} does not divide attention heads {heads} / kv heads {kv}",
-                          "choose tp dividing both head counts")
-    if experts and experts % par.ep:
-        raise ConfigError("parallel.ep", f"ep={par.ep} does not divide {experts} experts", "choose ep dividing it")
-    if layers and layers % (par.pp * par.vpp):
-        raise ConfigError("parallel.pp", f"pp*vpp = {par.pp * par.vpp} does not divide {layers} layers",
-                          "choose pp and vpp so that every stage gets whole layers")
+    """The layout against the model's HF config.json (heads, experts, layers: core/dims.py), and the length."""
+    from ..dims import ParallelDims
+    from ..shape import shape_from_hf
+
+    world = recipe.parallel.resolved_world_size()
+    ParallelDims.from_config(recipe.parallel, world).validate(world, shape_from_hf(hf))
     if recipe.model.max_seq_len > hf.get("max_position_embeddings", 1 << 30):
         raise ConfigError("model.max_seq_len", f"{recipe.model.max_seq_len} exceeds the model's "
                           f"max_position_embeddings {hf['max_position_embeddings']}", "lower model.max_seq_len")

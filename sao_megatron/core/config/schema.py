@@ -95,8 +95,6 @@ class ParallelConfig:
             _require(value >= 0, f"{p}.{name}", f"{value} < 0", "use 0 (auto) or more")
         _require(self.micro_batch_tokens >= 16, f"{p}.micro_batch_tokens",
                  f"{self.micro_batch_tokens} is too small", "use at least model.max_seq_len tokens")
-        _require(self.vpp == 1 or self.pp > 1, f"{p}.vpp", "virtual pipeline needs pp > 1",
-                 "set parallel.pp > 1 or parallel.vpp = 1")
         _require(not self.optimizer_offload or self.distributed_optimizer, f"{p}.optimizer_offload",
                  "needs the distributed optimizer", "set parallel.distributed_optimizer = true")
 
