@@ -95,7 +95,6 @@ class ModelRunner:
 
         if dtype not in DTYPES:
             raise ValueError(f"--dtype {dtype!r} unknown; use one of {sorted(DTYPES)}")
-        torch.set_grad_enabled(False)
         self.device = torch.device(device)
         self.model_dir = str(model_dir)
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -143,6 +142,9 @@ class ModelRunner:
             self._captured[index] = indices
         return hook
 
+    # no_grad per call, not torch.set_grad_enabled(False): grad mode is per thread, and a runner built
+    # in a trainer's or a test's thread must not switch autograd off there
+    @torch.no_grad()
     def forward(self, chunks: list[list[int]], lengths: list[int], want_routes: bool = True) -> StepOutput:
         """Feed `chunks[b]` to row b whose cache holds `lengths[b]` tokens; rows must be 0..len-1."""
         rows = len(chunks)
@@ -184,6 +186,7 @@ class ModelRunner:
         stacked = self._layer_axis(rows * q).reshape(rows, q, self.num_layers, self.top_k)
         return [stacked[b, : len(chunks[b])].clone() for b in range(rows)]
 
+    @torch.no_grad()
     def teacher_forced(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Plain HF forward of one sequence, on the CPU: (fp32 logits [T, vocab], routes int32
         [T, num_hidden_layers, topk] with dense layers zero, or None without routers)."""

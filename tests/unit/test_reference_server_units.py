@@ -174,3 +174,18 @@ def test_serve_options_name_the_bad_flag_or_variable(tiny_model_dir, monkeypatch
     monkeypatch.setenv("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "maybe")
     with pytest.raises(ValueError, match="SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION='maybe' is not a boolean"):
         check_options(ServeOptions(model=str(tiny_model_dir)))
+
+
+def test_model_runner_leaves_the_callers_grad_mode_alone(tiny_model_dir):
+    """Grad mode is per thread: a runner built in a trainer's or test's thread must not turn autograd
+    off there (the full suite once failed a later Megatron build for that), yet never records a graph."""
+    import torch
+
+    from rollout.reference_server.model_runner import ModelRunner
+
+    runner = ModelRunner(tiny_model_dir, max_batch=2)
+    assert torch.is_grad_enabled()
+    out = runner.forward([[1, 2, 3]], [0])
+    logits, _ = runner.teacher_forced([1, 2, 3])
+    assert torch.is_grad_enabled()
+    assert not out.last_logits.requires_grad and not logits.requires_grad
