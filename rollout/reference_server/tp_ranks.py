@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
+import os
+import threading
+import time
 from typing import Any
 
 import torch
@@ -31,11 +34,24 @@ def digest(tensors: list[tuple[str, torch.Tensor]]) -> str:
     return sha.hexdigest()
 
 
-def _serve_rank(conn, timeout_s: float) -> None:
+def exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> threading.Thread:
+    """Exit this process once `parent_pid` is gone. A child blocked in a broadcast would otherwise
+    outlive a server that was killed (no pipe EOF reaches it there) until the group timeout."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os._exit(1)
+    thread = threading.Thread(target=watch, daemon=True, name="sao-tp-rank-parent-watch")
+    thread.start()
+    return thread
+
+
+def _serve_rank(conn, timeout_s: float, parent_pid: int) -> None:
     """A child's loop: join / receive / destroy commands from the server, one reply per command."""
     from .weight_group import destroy_weight_update_group, init_weight_update_group, receive_tensors
     from .weights import parse_dtype
 
+    exit_with_parent(parent_pid)
     groups: dict[str, Any] = {}
     while True:
         try:
@@ -73,7 +89,7 @@ class TPRanks:
         context = multiprocessing.get_context("spawn")
         for i in range(1, self.tp):
             parent, child = context.Pipe()
-            process = context.Process(target=_serve_rank, args=(child, self.timeout_s), daemon=True,
+            process = context.Process(target=_serve_rank, args=(child, self.timeout_s, os.getpid()), daemon=True,
                                       name=f"sao-tp-rank-{i}")
             process.start()
             child.close()
