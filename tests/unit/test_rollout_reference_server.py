@@ -116,11 +116,18 @@ def test_per_token_versions_across_an_update(servers, tiny_model_dir, mode):
         v0 = await engines[0].weight_version()
         await asyncio.sleep(0.3)                          # requests are mid-generation
         async with driver.weight_update(mode, v0 + 1):
+            in_flight = {d["uid"] for d in driver.state_dict()["work"]}
             for e in engines:
                 # same weights, new version; an in-place pause keeps requests in the batch: no flush (SGLang)
                 await e.update_weights_from_disk(str(tiny_model_dir), v0 + 1, flush_cache=mode != "in_place")
-        batch = await driver.get_batch(6, v0 + 1)
-        return batch, v0, driver.counts["continuations"]
+        # samples that finished before the pause come first; read on until every sample that was in
+        # flight at the pause is back (how many finished before depends on the machine's speed)
+        batch = []
+        for _ in range(10):
+            batch += await driver.get_batch(6, v0 + 1)
+            if in_flight <= {s.uid for s in batch}:
+                break
+        return [s for s in batch if s.uid in in_flight], v0, driver.counts["continuations"]
 
     batch, v0, continuations = run_driver(servers, cfg(max_new_tokens=64, max_in_flight=6, batch_size=6), scenario)
     spanning = 0
