@@ -12,7 +12,7 @@ from rollout.weights.check import WeightMismatchError, check_weight_update_equal
 from rollout.weights.sync import BroadcastWeightSync, DiskWeightSync, build_weight_sync, non_expert_first
 from sao_megatron.core.config import WeightSyncConfig
 
-from weight_sync_fakes import FakeEngine
+from weight_sync_fakes import FakeEngine, run_then_close
 
 
 def _named():
@@ -90,14 +90,6 @@ def test_non_expert_first_holds_bounded_bytes():
         f"model.layers.0.mlp.experts.{j}.down_proj.weight" for j in range(3)]   # held experts leave in runs of 3
 
 
-async def _closing(engines, fn):
-    try:
-        return await fn(engines)
-    finally:
-        for e in engines:
-            await e.close()
-
-
 def test_broadcast_delivers_bit_exact_to_every_engine_and_sets_version():
     async def scenario(engines):
         sync = build_weight_sync(WeightSyncConfig(bucket_mb=0.02, timeout_s=60), engines)
@@ -114,7 +106,7 @@ def test_broadcast_delivers_bit_exact_to_every_engine_and_sets_version():
         return checked, sync.bytes_sent, versions, q.dtype
 
     engines = [FakeEngine("e0"), FakeEngine("e1")]
-    checked, sent, versions, q_dtype = asyncio.run(_closing(engines, scenario))
+    checked, sent, versions, q_dtype = asyncio.run(run_then_close(engines, scenario))
     assert [(c.compared, c.layout) for c in checked] == [(6, "hf")] * 2
     assert sent == 2 * sum(t.numel() * t.element_size() for _, t in _named())
     assert versions == [4, 4] and q_dtype == torch.bfloat16 and [e.rank for e in engines] == [1, 2]
@@ -130,7 +122,7 @@ def test_dead_engine_is_named():
         await BroadcastWeightSync(WeightSyncConfig(timeout_s=5), engines).push(_named(), version=1)
 
     with pytest.raises(EngineError, match=r"engine killed-7: liveness check \(/model_info\) failed"):
-        asyncio.run(_closing([FakeEngine("alive"), FakeEngine("killed-7", dead=True)], scenario))
+        asyncio.run(run_then_close([FakeEngine("alive"), FakeEngine("killed-7", dead=True)], scenario))
 
 
 def test_push_never_calls_health():
@@ -148,7 +140,7 @@ def test_push_never_calls_health():
         await sync.close()
         return [await e.weight_version() for e in engines], engines[0].calls
 
-    versions, calls = asyncio.run(_closing([PausedHealth("paused")], scenario))
+    versions, calls = asyncio.run(run_then_close([PausedHealth("paused")], scenario))
     assert versions == [2] and "health" not in calls
 
 
@@ -161,7 +153,7 @@ def test_hung_engine_times_out_naming_it():
             await sync.push(_named(), version=1)
 
     with pytest.raises(EngineError, match=r"engine stuck.*: weights bucket 0 .* did not finish within 3s"):
-        asyncio.run(_closing([FakeEngine("ok"), FakeEngine("stuck", hang=True)], scenario))
+        asyncio.run(run_then_close([FakeEngine("ok"), FakeEngine("stuck", hang=True)], scenario))
 
 
 def test_check_equal_names_the_differing_tensor():
@@ -199,7 +191,7 @@ def test_disk_sync_writes_shards_and_keeps_latest(tmp_path):
         await check_weight_update_equal(engines, [(n, t * 2) for n, t in _named()])
         return await engines[0].weight_version(), engines[0].calls
 
-    version, calls = asyncio.run(_closing([Recording("e0")], scenario))
+    version, calls = asyncio.run(run_then_close([Recording("e0")], scenario))
     assert version == 2 and Recording.flushes == [False, False]
     assert "begin_weight_update" not in calls and "flush_cache" not in calls   # in place: never flushed
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v2"]

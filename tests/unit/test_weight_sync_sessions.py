@@ -16,7 +16,7 @@ from rollout.weights import calls as engine_calls, sync as weight_sync
 from rollout.weights.sync import BroadcastWeightSync
 from sao_megatron.core.config import WeightSyncConfig
 
-from weight_sync_fakes import FakeEngine
+from weight_sync_fakes import FakeEngine, run_then_close
 
 
 def _named():
@@ -24,14 +24,6 @@ def _named():
     return [("model.layers.0.self_attn.o_proj.weight", torch.randn(64, 64, generator=g)),
             ("model.layers.0.mlp.experts.0.down_proj.weight", torch.randn(64, 64, generator=g)),
             ("model.norm.weight", torch.randn(64, generator=g).to(torch.bfloat16))]
-
-
-async def _closing(engines, fn):
-    try:
-        return await fn(engines)
-    finally:
-        for e in engines:
-            await e.close()
 
 
 def test_two_stage_senders_share_one_session_per_engine():
@@ -53,7 +45,7 @@ def test_two_stage_senders_share_one_session_per_engine():
         return got, [e.calls for e in engines]
 
     engines = [FakeEngine("e0"), FakeEngine("e1")]
-    got, calls = asyncio.run(_closing(engines, scenario))
+    got, calls = asyncio.run(run_then_close(engines, scenario))
     assert all(torch.equal(g, t) for g, (_, t) in zip(got, (stage0 + stage1) * 2))
     for c in calls:
         assert c.count("begin_weight_update") == c.count("end_weight_update") == 1
@@ -81,7 +73,7 @@ def test_refused_update_fails_at_once_naming_the_engine_and_closes_sessions():
     engines = [FakeEngine("fine"), Refusing("refusing")]
     with pytest.raises(EngineError, match=r"engine refusing: weights bucket 0 .* failed: .*begin_weight_update\(\) "
                                           r"and end_weight_update\(\)") as info:
-        asyncio.run(_closing(engines, scenario))
+        asyncio.run(run_then_close(engines, scenario))
     assert "did not finish" not in str(info.value)
     assert not engines[0].session_open and engines[0].calls.count("end_weight_update") == 1
     assert engines[0].calls[-1] == "end_weight_update"       # closed last: resuming is the driver's
@@ -96,7 +88,7 @@ def test_a_session_left_open_by_a_failed_push_is_recovered():
         await sync.close()
         return await engines[0].weight_version(), engines[0].calls
 
-    version, calls = asyncio.run(_closing([FakeEngine("e0")], scenario))
+    version, calls = asyncio.run(run_then_close([FakeEngine("e0")], scenario))
     assert version == 7
     assert calls[:4] == ["begin_weight_update", "begin_weight_update", "end_weight_update",
                          "begin_weight_update"] and calls[4] == "model_info"
@@ -133,7 +125,7 @@ def test_flatten_and_broadcast_threads_are_pinned_to_the_captured_device(monkeyp
             await sync.push(_named(), version=1)
         await sync.close()
 
-    asyncio.run(_closing([FakeEngine("e0")], scenario))
+    asyncio.run(run_then_close([FakeEngine("e0")], scenario))
     main = threading.main_thread().name
     assert pins and all(device is captured or device == captured for _, device in pins)
     assert all(name != main for name, _ in pins)                    # only worker threads are pinned

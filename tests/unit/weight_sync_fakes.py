@@ -24,3 +24,12 @@ class FakeEngine(LoopbackEngine):
             self._note("update_weights_from_distributed")
             await asyncio.Event().wait()
         await super().update_weights_from_distributed(*args, **kwargs)
+
+
+async def run_then_close(engines, fn):
+    """`await fn(engines)`, then close every engine's client (whatever fn did)."""
+    try:
+        return await fn(engines)
+    finally:
+        for e in engines:
+            await e.close()
