@@ -140,6 +140,10 @@ class RolloutConfig:
     bad_row: Literal["skip", "fail"] = doc("skip", "A malformed dataset row is reported and skipped, or fails the run.")
     reward_fn: str = doc("", "Reward function import path 'pkg.mod:fn'; '' = the task's own.")
     reward_timeout_s: float = doc(10.0, "Timeout of one reward call; a timeout marks the sample failed.")
+    max_failed_in_a_row: int = doc(0, "Samples failing one after another (every engine attempt, or the reward) "
+                                      "before the run stops naming the cause; 0 = 2 x max_in_flight.", bounds=">= 0")
+    engine_down_timeout_s: float = doc(60.0, "Every engine unreachable this long stops the run with an error.",
+                                       bounds="> 0")
 
     def check(self, p: str) -> None:
         _require(self.temperature > 0, f"{p}.temperature",
@@ -153,6 +157,10 @@ class RolloutConfig:
         _require(self.num_engines >= 1 or bool(self.engine_urls), f"{p}.num_engines",
                  "no engines", "set rollout.num_engines >= 1 or list rollout.engine_urls")
         _require(self.request_timeout_s > 0, f"{p}.request_timeout_s", "<= 0", "use a positive timeout")
+        _require(self.max_failed_in_a_row >= 0, f"{p}.max_failed_in_a_row", f"{self.max_failed_in_a_row} < 0",
+                 "use 0 (auto) or a positive count")
+        _require(self.engine_down_timeout_s > 0, f"{p}.engine_down_timeout_s", f"{self.engine_down_timeout_s} <= 0",
+                 "use e.g. 60")
         _require(bool(self.task) or bool(self.dataset), f"{p}.dataset", "neither task nor dataset is set",
                  "set rollout.task (e.g. countdown) or rollout.dataset to a jsonl file")
         _require(self.env_switch_every >= 1, f"{p}.env_switch_every", "< 1", "use 1 or more steps")
