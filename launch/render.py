@@ -17,7 +17,8 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from sao_megatron.core.config import ConfigError, load_recipe
+from checkpoints.arch import load_recipe
+from sao_megatron.core.config import ConfigError
 
 from .engines import API_KEY_VAR, engine_command, engine_heads, engine_slots, shell_join
 

@@ -62,10 +62,44 @@ def arch_shape(hf: Mapping[str, Any]) -> ArchShape:
     return replace(shape_from_hf(hf, fam.name), first_dense_layers=fam.dense_first_layers(hf), mla=fam.mla)
 
 
+def check_recipe_arch(recipe) -> None:
+    """model.arch names a registered family, and agrees with model.path's config.json when one exists.
+
+    The recipe schema (sao_megatron/core) cannot see this registry (core is the bottom layer), so the
+    name is checked here, by `load_recipe` below, before anything starts.
+    """
+    from sao_megatron.core.config.errors import ConfigError
+
+    name = recipe.model.arch
+    if name not in ARCHS:
+        raise ConfigError("model.arch", f"{name!r} is not a registered architecture",
+                          f"use one of {', '.join(sorted(ARCHS))} (checkpoints/arch/)")
+    cfg_path = Path(recipe.model.path) / "config.json" if recipe.model.path else None
+    if cfg_path is None or not cfg_path.is_file():
+        return
+    try:
+        model_type = json.loads(cfg_path.read_text()).get("model_type", "")
+    except (OSError, ValueError, AttributeError):
+        return   # the recipe check already reports an unreadable config.json
+    if model_type in BY_MODEL_TYPE and BY_MODEL_TYPE[model_type].name != name:
+        raise ConfigError("model.arch", f"{name!r} but {cfg_path} has model_type {model_type!r} "
+                          f"(family {BY_MODEL_TYPE[model_type].name!r})",
+                          f"set model.arch = \"{BY_MODEL_TYPE[model_type].name}\"")
+
+
+def load_recipe(path, overrides=(), check_files: bool = True):
+    """The recipe loader of every command: core's load_recipe plus the architecture check above."""
+    from sao_megatron.core.config import load_recipe as load_core_recipe
+
+    recipe = load_core_recipe(path, list(overrides), check_files=check_files)
+    check_recipe_arch(recipe)
+    return recipe
+
+
 def named_shapes() -> dict[str, dict]:
     """Every family's named full-size shapes (model.shape_preset), in registry order."""
     return {name: shape for f in FAMILIES for name, shape in f.shapes.items()}
 
 
 __all__ = ["ARCHS", "BY_MODEL_TYPE", "FAMILIES", "ArchShape", "ArchSpec", "Family", "SpecError", "arch_shape",
-           "family", "family_of_config", "named_shapes", "spec_from_hf_config", "spec_from_hf_dir"]
+           "check_recipe_arch", "family", "family_of_config", "load_recipe", "named_shapes", "spec_from_hf_config", "spec_from_hf_dir"]

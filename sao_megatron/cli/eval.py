@@ -21,7 +21,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from sao_megatron.core.config import ConfigError, load_recipe
+    from checkpoints.arch import load_recipe
+    from sao_megatron.core.config import ConfigError
 
     recipe = load_recipe(args.recipe, list(args.overrides) + [f"model.path='{args.checkpoint}'"])
     if not recipe.eval.datasets:

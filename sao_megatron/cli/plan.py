@@ -24,7 +24,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from parallel.planner import OPTION_LADDER, make_plan, plan_input_from_recipe, search_layouts, with_options
-    from sao_megatron.core.config import load_recipe
+    from checkpoints.arch import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides, check_files=False)
     placement = {"critic_placement": args.critic_placement} if args.critic_placement else {}   # else the recipe's

@@ -44,7 +44,7 @@ def _flag_overrides(args) -> list[str]:
 
 
 def run(args) -> int:
-    from sao_megatron.core.config import load_recipe
+    from checkpoints.arch import load_recipe
 
     recipe = load_recipe(args.recipe, list(args.overrides) + _flag_overrides(args))
     from sao_megatron.trainer.entry import train_from_recipe  # torch, megatron: only after validation

@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sao_megatron.core.config import ConfigError, Recipe, load_recipe
+from checkpoints.arch import load_recipe
+from sao_megatron.core.config import ConfigError, Recipe
 
 
 def train_from_recipe(recipe: Recipe) -> int:

@@ -2,21 +2,55 @@
 accepts has a complete entry, model_type lookups round-trip, and every other table is derived from it."""
 from __future__ import annotations
 
-import typing
-
 import pytest
 
 from checkpoints import arch
 from checkpoints.arch import ARCHS, BY_MODEL_TYPE, FAMILIES, SpecError
-from sao_megatron.core.config.schema import ModelConfig
+from sao_megatron.core.config import ConfigError
 
 
 def _recipe_archs() -> tuple:
-    return typing.get_args(typing.get_type_hints(ModelConfig)["arch"])
+    return tuple(ARCHS)
 
 
-def test_recipe_arch_literal_and_registry_name_the_same_families():
-    assert set(_recipe_archs()) == set(ARCHS)
+def test_the_recipe_loader_accepts_every_registered_family_and_names_the_field_otherwise():
+    for name in ARCHS:
+        assert arch.load_recipe(None, [f"model.arch={name}", "model.path=nowhere"], check_files=False).model.arch == name
+    with pytest.raises(ConfigError, match=r"^model.arch: 'llama' is not a registered architecture; fix: use one of glm4_moe"):
+        arch.load_recipe(None, ["model.arch=llama", "model.path=nowhere"], check_files=False)
+
+
+def test_a_family_registered_in_checkpoints_arch_alone_is_accepted_by_recipes(monkeypatch):
+    """Adding a family touches checkpoints/arch only: the recipe schema in core lists no names."""
+    from dataclasses import replace as dc_replace
+
+    monkeypatch.setitem(ARCHS, "new_family", dc_replace(ARCHS["qwen3_moe"], name="new_family"))
+    assert arch.load_recipe(None, ["model.arch=new_family", "model.path=nowhere"], check_files=False).model.arch == "new_family"
+
+
+def test_model_arch_must_agree_with_the_model_directory(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "glm4_moe"}')
+    recipe = arch.load_recipe(None, ["model.arch=glm4_moe", "model.path=nowhere"], check_files=False)
+    arch.check_recipe_arch(dc_model_path(recipe, tmp_path))
+    with pytest.raises(ConfigError, match=r"model.arch: 'qwen3_moe' but .* has model_type 'glm4_moe'.*fix: set model.arch = \"glm4_moe\""):
+        arch.check_recipe_arch(dc_model_path(arch.load_recipe(None, ["model.path=nowhere"], check_files=False), tmp_path))
+
+
+def dc_model_path(recipe, path):
+    recipe.model.path = str(path)
+    return recipe
+
+
+def test_every_command_loads_recipes_through_the_arch_check():
+    """No command reads a recipe past the registry check (core's loader is for core and tests)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    offenders = [str(p.relative_to(root)) for d in ("sao_megatron", "launch", "parallel", "rollout", "bench")
+                 for p in (root / d).rglob("*.py") if "core" not in p.parts
+                 and re.search(r"from sao_megatron\.core\.config(\.recipe)? import [^\n]*\bload_recipe\b", p.read_text())]
+    assert offenders == []
 
 
 @pytest.mark.parametrize("name", _recipe_archs())

@@ -49,7 +49,8 @@ class RunConfig:
 @dataclass
 class ModelConfig:
     path: str = doc("", "HF model directory (config.json + safetensors + tokenizer).")
-    arch: Literal["qwen3_moe", "glm4_moe", "glm5"] = doc("qwen3_moe", "Architecture family.")
+    arch: str = doc("qwen3_moe", "Architecture family: a name registered in checkpoints/arch "
+                                 "(checked against the registry when a command loads the recipe).")
     init_preset: str = doc("", "If set and `path` does not exist, `sao init-model` creates it with this preset (tiny).")
     shape_preset: str = doc("", "Named architecture shapes (parallel/model_shapes.py) used by `sao plan` and "
                                 "`sao launch` when model.path is not on this machine.")
@@ -338,10 +339,27 @@ class LaunchConfig:
         _require(self.gpus_per_node >= 0, f"{p}.gpus_per_node", "< 0", "use 0 (CPU) or more")
 
 
+@dataclass
+class SFTConfig:
+    steps: int = doc(0, "Supervised warm-start steps (`sao sft`); > 0 makes `sao train` run them first and start RL "
+                        "from the result.", bounds=">= 0")
+    lr: float = doc(1e-3, "SFT learning rate.", bounds="> 0")
+    batch_size: int = doc(32, "Prompt/response pairs per SFT step.", bounds=">= 1")
+    task: str = doc("", "Built-in task whose reference solutions to train on ('' = rollout.task).")
+    dataset: str = doc("", "jsonl of {'prompt', 'response'} pairs (instead of a task's solutions).")
+    output: str = doc("", "Directory of the SFT model (HF format); '' = <run_dir>/sft_model.")
+
+    def check(self, p: str) -> None:
+        _require(self.steps >= 0, f"{p}.steps", f"{self.steps} < 0", "use 0 (off) or more")
+        _require(self.lr > 0, f"{p}.lr", f"{self.lr} <= 0", "use 1e-3 for the tiny model")
+        _require(self.batch_size >= 1, f"{p}.batch_size", f"{self.batch_size} < 1", "use 1 or more")
+
+
 SECTIONS = {
     "run": RunConfig, "model": ModelConfig, "parallel": ParallelConfig, "rollout": RolloutConfig,
     "algorithm": AlgorithmConfig, "critic": CriticConfig, "weight_sync": WeightSyncConfig,
     "checkpoint": CheckpointConfig, "logging": LoggingConfig, "eval": EvalConfig, "launch": LaunchConfig,
+    "sft": SFTConfig,
 }
 
 # Keys a recipe may still carry from an older release: "unknown key" would leave the reader without the
