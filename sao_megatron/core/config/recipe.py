@@ -15,7 +15,7 @@ from .errors import ConfigError
 from .presets import ADVANTAGES, GROUP_ADVANTAGES, LOSSES, PRESETS
 from .schema import (REMOVED_KEYS, SECTIONS, AlgorithmConfig, CheckpointConfig, CriticConfig, EvalConfig,
                      LaunchConfig, LoggingConfig, ModelConfig, ParallelConfig, RolloutConfig, RunConfig,
-                     WeightSyncConfig)
+                     SFTConfig, WeightSyncConfig)
 
 
 @dataclass
@@ -33,6 +33,7 @@ class Recipe:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
     source: str = ""  # the recipe file this came from (not a recipe key)
 
     @property
