@@ -46,9 +46,9 @@ def test_preset_fills_only_unset_fields(tmp_path):
 
 def test_overrides_are_typed_and_win(tmp_path):
     recipe = load_recipe(_recipe(tmp_path, "[algorithm]\nlr=1e-5\n"),
-                         ["algorithm.lr=3e-6", "--rollout.batch_size=8", "run.name=other", "eval.datasets=['a']"])
+                         ["algorithm.lr=3e-6", "--rollout.batch_size=8", "run.name=other", "eval.datasets=['task:copy']"])
     assert recipe.algorithm.lr == 3e-6 and recipe.rollout.batch_size == 8
-    assert recipe.run.name == "other" and recipe.eval.datasets == ["a"]
+    assert recipe.run.name == "other" and recipe.eval.datasets == ["task:copy"]
     assert parse_override("rollout.task=countdown") == ("rollout.task", "countdown")
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .installed import check_installed
 from .presets import ADVANTAGES, GROUP_ADVANTAGES, LOSSES, PRESETS
 from .schema import (REMOVED_KEYS, SECTIONS, AlgorithmConfig, CheckpointConfig, CriticConfig, EvalConfig,
                      LaunchConfig, LoggingConfig, ModelConfig, ParallelConfig, RolloutConfig, RunConfig,
@@ -46,6 +47,7 @@ class Recipe:
             getattr(self, name).check(name)
         self._check_algorithm()
         self._check_parallel()
+        self._check_lengths()
         if check_files:
             self._check_files()
 
@@ -98,6 +100,20 @@ class Recipe:
             raise ConfigError("rollout.dataset", f"{self.rollout.dataset} does not exist",
                               "point it at a jsonl/parquet file or an HF datasets folder, or clear it to use rollout.task")
         _check_writable(Path(self.run.output_dir))
+        check_installed(self)
+
+    def _check_lengths(self) -> None:
+        """One whole sequence (longest prompt + response) must fit the model and one micro-batch; under
+        context parallelism a micro-batch holds each rank's 1/cp share of the sequence (docs/cluster.md)."""
+        rollout, model, par = self.rollout, self.model, self.parallel
+        longest = rollout.max_prompt_len + rollout.max_new_tokens
+        if model.max_seq_len < longest:
+            raise ConfigError("model.max_seq_len", f"{model.max_seq_len} is shorter than rollout.max_prompt_len + "
+                              f"rollout.max_new_tokens = {longest}", f"raise it to {longest} or shorten those two")
+        share = -(-longest // par.cp)
+        if par.micro_batch_tokens < share:
+            raise ConfigError("parallel.micro_batch_tokens", f"{par.micro_batch_tokens} is below one sequence "
+                              f"({longest} tokens / cp {par.cp} = {share})", f"use at least {share}")
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)

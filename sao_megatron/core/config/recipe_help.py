@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import textwrap
 import typing
 
+from .bounds import parse_bounds  # noqa: F401  (re-exported: the help's reader of bounds)
 from .presets import PRESETS
 from .schema import SECTIONS
-
-_BOUND = re.compile(r"^(>=|>)\s*(-?[\d.e+-]+)$")
-_INTERVAL = re.compile(r"^([\[(])\s*(-?[\d.e+-]+)\s*,\s*(-?[\d.e+-]+)\s*([\])])$")
 
 
 def type_name(hint) -> str:
@@ -34,17 +31,6 @@ def toml_value(value) -> str:
     if value is None:
         return "unset"
     return json.dumps(value)
-
-
-def parse_bounds(text: str) -> tuple[float, bool, float, bool]:
-    """'>= 1' | '> 0' | '[0, 1)' ... -> (low, low inclusive, high, high inclusive); +-inf when open-ended."""
-    match = _BOUND.match(text)
-    if match:
-        return float(match[2]), match[1] == ">=", float("inf"), False
-    match = _INTERVAL.match(text)
-    if not match:
-        raise ValueError(f"bounds {text!r}: write '>= a', '> a' or an interval like '[a, b)'")
-    return float(match[2]), match[1] == "[", float(match[3]), match[4] == "]"
 
 
 def field_default(f: dataclasses.Field):

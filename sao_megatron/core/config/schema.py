@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from . import text_rules
+from .bounds import check_bounds
 from .errors import ConfigError
 
 
@@ -32,18 +34,20 @@ def _require(cond: bool, name: str, problem: str, fix: str) -> None:
 class RunConfig:
     name: str = doc("sao-run", "Run name; the run directory is <output_dir>/<name>.")
     output_dir: str = doc("runs", "Parent directory of run directories.")
-    seed: int = doc(1234, "Global seed for sampling, data order and initialisation.")
+    seed: int = doc(1234, "Global seed for sampling, data order and initialisation.", bounds="[0, 2147483647]")
     num_steps: int = doc(100, "Optimizer steps of the policy (critic warm-up steps not included).", bounds=">= 0")
     debug: Literal["none", "rollout-only", "train-only"] = doc(
         "none", "rollout-only saves rollouts without training; train-only trains from debug_dir.")
     debug_dir: str = doc("", "Saved rollouts to train from (debug = train-only).")
 
     def check(self, p: str) -> None:
-        _require(bool(self.name) and "/" not in self.name, f"{p}.name",
-                 f"{self.name!r} is empty or contains '/'", "use a plain name like 'tiny-sao'")
+        text_rules.plain_name(f"{p}.name", self.name)
         _require(self.num_steps >= 0, f"{p}.num_steps", f"{self.num_steps} < 0", "use 0 or more")
         _require(self.debug != "train-only" or bool(self.debug_dir), f"{p}.debug_dir",
                  "train-only needs saved rollouts", "set run.debug_dir to a rollout-only run's rollouts dir")
+        text_rules.one_line(f"{p}.output_dir", self.output_dir, empty_ok=False)
+        text_rules.one_line(f"{p}.debug_dir", self.debug_dir)
+        check_bounds(self, p)
 
 
 @dataclass
@@ -66,6 +70,9 @@ class ModelConfig:
         _require(bool(self.path), f"{p}.path", "no model directory given",
                  "set model.path (create one with `sao init-model --arch qwen3_moe --preset tiny DIR`)")
         _require(self.max_seq_len > 0, f"{p}.max_seq_len", f"{self.max_seq_len} <= 0", "use a positive length")
+        for name in ("path", "init_preset", "shape_preset"):
+            text_rules.one_line(f"{p}.{name}", getattr(self, name))
+        check_bounds(self, p)
 
 
 @dataclass
@@ -98,6 +105,7 @@ class ParallelConfig:
                  f"{self.micro_batch_tokens} is too small", "use at least model.max_seq_len tokens")
         _require(not self.optimizer_offload or self.distributed_optimizer, f"{p}.optimizer_offload",
                  "needs the distributed optimizer", "set parallel.distributed_optimizer = true")
+        check_bounds(self, p)
 
     def resolved_world_size(self) -> int:
         base = self.tp * self.pp * self.cp
@@ -110,16 +118,16 @@ class ParallelConfig:
 class RolloutConfig:
     engine: Literal["reference", "sglang"] = doc("reference", "Engine kind: reference CPU server or SGLang.")
     engine_urls: list = doc([], "URLs of running engines; empty = start num_engines engines locally.")
-    num_engines: int = doc(1, "Engines to start when engine_urls is empty.")
+    num_engines: int = doc(1, "Engines to start when engine_urls is empty.", bounds=">= 1")
     host: str = doc("127.0.0.1", "Host the started engines bind to.")
     port: int = doc(0, "First engine port; 0 = pick free ports.", bounds="[0, 65535]")
     api_key: str = doc("", "API key the engines require ('' = generate one per run).")
     engine_tp: int = doc(1, "Tensor-parallel ranks per engine (SGLang --tp-size, reference server --tp); each rank "
                             "joins the weight-update group, so with engine_urls it must equal the engines' own tp.",
                             bounds=">= 1")
-    engine_ep: int = doc(1, "SGLang: expert parallel size per engine.")
-    engine_dp_attention: int = doc(0, "SGLang: dp-attention size (0 = off).")
-    mem_fraction: float = doc(0.7, "SGLang: --mem-fraction-static.")
+    engine_ep: int = doc(1, "SGLang: expert parallel size per engine.", bounds=">= 1")
+    engine_dp_attention: int = doc(0, "SGLang: dp-attention size (0 = off).", bounds=">= 0")
+    mem_fraction: float = doc(0.7, "SGLang: --mem-fraction-static.", bounds="(0, 1)")
     engine_fp8: bool = doc(False, "SGLang: serve FP8 weights (--quantization fp8).")
     mode: Literal["single", "group"] = doc("single", "single: one rollout per prompt (SAO); group: n per prompt.")
     n_samples_per_prompt: int = doc(1, "Rollouts per prompt in group mode.", bounds=">= 1")
@@ -127,20 +135,21 @@ class RolloutConfig:
     max_in_flight: int = doc(32, "Requests kept in flight across all engines.", bounds=">= 1")
     temperature: float = doc(1.0, "Sampling temperature (> 0; RL needs a stochastic policy).", bounds="> 0")
     top_p: float = doc(1.0, "Nucleus sampling p in (0, 1].", bounds="(0, 1]")
-    top_k: int = doc(-1, "Top-k sampling; -1 = off.")
+    top_k: int = doc(-1, "Top-k sampling; -1 = off.", bounds=">= -1")
     max_new_tokens: int = doc(64, "Response token budget per turn.", bounds=">= 1")
-    max_prompt_len: int = doc(256, "Prompts longer than this are rejected by policy bad_row.")
+    max_prompt_len: int = doc(256, "Prompts longer than this are rejected by policy bad_row.", bounds=">= 1")
     staleness_bound: int = doc(4, "Drop/regenerate samples whose oldest token is more than tau versions old.",
                                bounds=">= 0")
     stale_policy: Literal["drop", "regenerate"] = doc("drop", "What to do with a sample over the staleness bound.")
-    request_timeout_s: float = doc(600.0, "Timeout of one generate call.", bounds="> 0")
+    request_timeout_s: float = doc(600.0, "Timeout of one generate call.", bounds="(0, 604800]")
     task: str = doc("countdown", "Built-in task (countdown, arithmetic, copy, digits, online) or '' to use dataset.")
     dataset: str = doc("", "Prompt file (jsonl or parquet) with a 'prompt' field (and 'answer').")
     env_switch_every: int = doc(50, "Task 'online': the rewarded rule switches every this many trainer steps.",
                                 bounds=">= 1")
     bad_row: Literal["skip", "fail"] = doc("skip", "A malformed dataset row is reported and skipped, or fails the run.")
     reward_fn: str = doc("", "Reward function import path 'pkg.mod:fn'; '' = the task's own.")
-    reward_timeout_s: float = doc(10.0, "Timeout of one reward call; a timeout marks the sample failed.")
+    reward_timeout_s: float = doc(10.0, "Timeout of one reward call; a timeout marks the sample failed.",
+                                  bounds="(0, 86400]")
     max_failed_in_a_row: int = doc(0, "Samples failing one after another (every engine attempt, or the reward) "
                                       "before the run stops naming the cause; 0 = 2 x max_in_flight.", bounds=">= 0")
     engine_down_timeout_s: float = doc(60.0, "Every engine unreachable this long stops the run with an error.",
@@ -168,6 +177,9 @@ class RolloutConfig:
         _require(0 <= self.port < 65536, f"{p}.port", f"{self.port} out of range", "use 0 (auto) or 1024-65535")
         _require(self.engine_tp >= 1, f"{p}.engine_tp", f"{self.engine_tp} < 1",
                  "use 1 or the engines' tensor-parallel size")
+        _require(self.top_k != 0, f"{p}.top_k", "0 keeps no token", "use -1 (off) or a positive k")
+        text_rules.check_rollout_text(self, p)
+        check_bounds(self, p)
 
 
 @dataclass
@@ -192,21 +204,21 @@ class AlgorithmConfig:
     alpha: float = doc(1.5, "Length-adaptive lambda constant.", bounds="> 0")
     baseline_momentum: float = doc(0.9, "Running-mean baseline: b <- m*b + (1-m)*mean(r) (advantage running_mean).",
                                    bounds="[0, 1)")
-    kl_coef: float = doc(0.0, "KL penalty coefficient against the reference policy (SAO: 0).")
+    kl_coef: float = doc(0.0, "KL penalty coefficient against the reference policy (SAO: 0).", bounds=">= 0")
     kl_estimator: Literal["k1", "k2", "k3"] = doc("k3", "KL estimator.")
-    entropy_coef: float = doc(0.0, "Entropy bonus (SAO: 0).")
+    entropy_coef: float = doc(0.0, "Entropy bonus (SAO: 0).", bounds=">= 0")
     correction: Literal["none", "tis", "mis", "icepop"] = doc("none", "Train/inference mismatch correction.")
-    correction_low: float = doc(0.5, "MIS lower bound / IcePop alpha.")
-    correction_high: float = doc(2.0, "TIS cap C / MIS upper bound / IcePop beta.")
+    correction_low: float = doc(0.5, "MIS lower bound / IcePop alpha.", bounds=">= 0")
+    correction_high: float = doc(2.0, "TIS cap C / MIS upper bound / IcePop beta.", bounds="> 0")
     correction_level: Literal["token", "sequence"] = doc("token", "MIS granularity.")
     dynamic_sampling: bool = doc(False, "Group mode: drop groups whose rewards are all equal.")
-    overlong_max: int = doc(0, "DAPO overlong shaping L_max (0 = off).")
-    overlong_cache: int = doc(0, "DAPO overlong shaping L_cache.")
-    lr: float = doc(1e-6, "Policy learning rate (SAO: 1e-6 constant).", bounds="> 0")
-    weight_decay: float = doc(0.0, "AdamW weight decay.")
-    adam_beta1: float = doc(0.9, "Adam beta1.")
-    adam_beta2: float = doc(0.999, "Adam beta2.")
-    grad_clip: float = doc(1.0, "Max global grad norm (0 = off).")
+    overlong_max: int = doc(0, "DAPO overlong shaping L_max (0 = off).", bounds=">= 0")
+    overlong_cache: int = doc(0, "DAPO overlong shaping L_cache.", bounds=">= 0")
+    lr: float = doc(1e-6, "Policy learning rate (SAO: 1e-6 constant).", bounds="(0, 1]")
+    weight_decay: float = doc(0.0, "AdamW weight decay.", bounds="[0, 1]")
+    adam_beta1: float = doc(0.9, "Adam beta1.", bounds="[0, 1)")
+    adam_beta2: float = doc(0.999, "Adam beta2.", bounds="[0, 1)")
+    grad_clip: float = doc(1.0, "Max global grad norm (0 = off).", bounds=">= 0")
     mini_batches: int = doc(1, "Optimizer steps per rollout batch (GSPO: 4).", bounds=">= 1")
 
     def check(self, p: str) -> None:
@@ -226,19 +238,25 @@ class AlgorithmConfig:
         _require(self.lr > 0, f"{p}.lr", f"{self.lr} <= 0", "use a positive learning rate such as 1e-6")
         _require(self.mini_batches >= 1, f"{p}.mini_batches", "< 1", "use 1 or more")
         _require(self.dual_clip is None or self.dual_clip > 1, f"{p}.dual_clip", "must be > 1", "use 3.0 or unset")
+        if ":" in self.loss:
+            text_rules.import_path(f"{p}.loss", self.loss)
+        check_bounds(self, p)
         _require(self.correction_low < self.correction_high, f"{p}.correction_low",
                  "is not below correction_high", "use e.g. 0.5 and 2.0")
+        _require(self.overlong_cache <= self.overlong_max, f"{p}.overlong_cache",
+                 f"{self.overlong_cache} > overlong_max {self.overlong_max}",
+                 "use a cache no longer than algorithm.overlong_max (or 0)")
 
 
 @dataclass
 class CriticConfig:
     enabled: bool = doc(True, "Train a value model (SAO). Group baselines need none.")
-    lr: float = doc(5e-6, "Critic learning rate (SAO: 5e-6).", bounds="> 0")
+    lr: float = doc(5e-6, "Critic learning rate (SAO: 5e-6).", bounds="(0, 1]")
     updates_per_step: int = doc(2, "Critic updates per policy update (SAO two-timescale: K = 2).", bounds=">= 1")
     warmup_steps: int = doc(10, "Critic-only steps before the first policy update.", bounds=">= 0")
     freeze_attention: bool = doc(True, "Train only MoE/expert projections, norms and the value head.")
     init_from_policy: bool = doc(True, "Initialise the critic backbone from the policy weights.")
-    value_clip: Optional[float] = doc(None, "Value clipping range (None = plain masked MSE).")
+    value_clip: Optional[float] = doc(None, "Value clipping range (None = plain masked MSE).", bounds="> 0")
     pretrain_steps: int = doc(0, "Value pretraining steps on the initial policy before training.", bounds=">= 0")
     placement: Literal["shared", "swap"] = doc(
         "shared", "shared: policy and critic both stay in device memory; swap: they take turns, the idle one "
@@ -249,15 +267,17 @@ class CriticConfig:
         _require(self.updates_per_step >= 1, f"{p}.updates_per_step", "< 1", "use 2 (SAO)")
         _require(self.warmup_steps >= 0, f"{p}.warmup_steps", "< 0", "use 0 or more")
         _require(self.pretrain_steps >= 0, f"{p}.pretrain_steps", "< 0", "use 0 or more")
+        check_bounds(self, p)
 
 
 @dataclass
 class WeightSyncConfig:
     method: Literal["broadcast", "disk"] = doc("broadcast", "Broadcast over a process group, or HF shards on disk.")
     backend: Literal["auto", "gloo", "nccl"] = doc("auto", "Collective backend: auto = nccl with CUDA, else gloo.")
-    bucket_mb: float = doc(64.0, "Flattened bucket size in MiB.", bounds="> 0")
+    bucket_mb: float = doc(64.0, "Flattened bucket size in MiB.", bounds="(0, 65536]")
     pause_mode: Literal["in_place", "retract", "abort"] = doc("in_place", "Engine pause mode during a sync.")
-    timeout_s: float = doc(120.0, "Timeout of every step of a sync; a dead engine is named within it.", bounds="> 0")
+    timeout_s: float = doc(120.0, "Timeout of every step of a sync; a dead engine is named within it.",
+                           bounds="(0, 86400]")
     check_equal: bool = doc(False, "After each sync compare engine tensors against the trainer's (slow).")
     disk_dir: str = doc("", "Directory for the disk method ('' = <run_dir>/weights).")
     senders: Literal["per_stage", "driver"] = doc(
@@ -267,6 +287,8 @@ class WeightSyncConfig:
     def check(self, p: str) -> None:
         _require(self.bucket_mb > 0, f"{p}.bucket_mb", f"{self.bucket_mb} <= 0", "use e.g. 64")
         _require(self.timeout_s > 0, f"{p}.timeout_s", f"{self.timeout_s} <= 0", "use e.g. 120")
+        text_rules.one_line(f"{p}.disk_dir", self.disk_dir)
+        check_bounds(self, p)
 
 
 @dataclass
@@ -282,6 +304,8 @@ class CheckpointConfig:
     def check(self, p: str) -> None:
         _require(self.interval >= 0, f"{p}.interval", "< 0", "use 0 or more")
         _require(self.keep_last >= 1, f"{p}.keep_last", f"{self.keep_last} < 1", "keep at least 1")
+        text_rules.one_line(f"{p}.resume", self.resume, empty_ok=False)
+        check_bounds(self, p)
 
 
 @dataclass
@@ -293,7 +317,9 @@ class LoggingConfig:
     plot: bool = doc(True, "Write curves.png (reward, value loss, clip fractions) at the end.")
 
     def check(self, p: str) -> None:
-        pass
+        text_rules.matches(f"{p}.wandb_project", self.wandb_project, text_rules.WANDB_PROJECT,
+                           "a wandb project name (1-128 characters, none of / \\ # ? % :)")
+        check_bounds(self, p)
 
 
 @dataclass
@@ -302,11 +328,12 @@ class EvalConfig:
     datasets: list = doc([], "Held-out sets: jsonl files with 'prompt' and 'answer', 'task:NAME', or an agentic "
                              "benchmark 'code_repair:FILE.jsonl' (docs/evaluation.md).")
     k: int = doc(4, "Samples per problem for avg@k / pass@k.", bounds=">= 1")
-    max_problems: int = doc(0, "Evaluate at most this many problems per set (0 = all).")
+    max_problems: int = doc(0, "Evaluate at most this many problems per set (0 = all).", bounds=">= 0")
     max_turns: int = doc(8, "Agentic sets: model turns per episode (each up to rollout.max_new_tokens tokens).",
                          bounds=">= 1")
     max_episode_tokens: int = doc(2048, "Agentic sets: response tokens per episode, actions and tool outputs "
-                                        "together; one tool output is cut to max_episode_tokens / max_turns.")
+                                        "together; one tool output is cut to max_episode_tokens / max_turns "
+                                        "(at least one token per turn: >= max_turns).")
 
     def check(self, p: str) -> None:
         _require(self.interval >= 0, f"{p}.interval", "< 0", "use 0 or more")
@@ -315,19 +342,24 @@ class EvalConfig:
         _require(self.max_episode_tokens >= self.max_turns, f"{p}.max_episode_tokens",
                  f"{self.max_episode_tokens} leaves no token per turn for {self.max_turns} turns",
                  "use at least eval.max_turns tokens (e.g. 2048)")
+        for source in self.datasets:
+            _require(isinstance(source, str), f"{p}.datasets", f"{source!r} is not a string",
+                     "list file paths or 'task:NAME' strings")
+            text_rules.one_line(f"{p}.datasets", source, empty_ok=False)
+        check_bounds(self, p)
 
 
 @dataclass
 class LaunchConfig:
     nodes: int = doc(1, "Nodes in the allocation.", bounds=">= 1")
-    trainer_nodes: int = doc(0, "Nodes for trainer ranks (0 = nodes - rollout_nodes).")
-    rollout_nodes: int = doc(0, "Nodes for rollout engines (0 = colocated with the trainer).")
+    trainer_nodes: int = doc(0, "Nodes for trainer ranks (0 = nodes - rollout_nodes).", bounds=">= 0")
+    rollout_nodes: int = doc(0, "Nodes for rollout engines (0 = colocated with the trainer).", bounds=">= 0")
     gpus_per_node: int = doc(8, "GPUs per node (0 on CPU).", bounds=">= 0")
     partition: str = doc("", "slurm partition.")
     account: str = doc("", "slurm account.")
     time_limit: str = doc("04:00:00", "slurm --time.")
     requeue: bool = doc(True, "Requeue on preemption (checkpoint on SIGUSR1 first).")
-    signal_seconds: int = doc(120, "Seconds before the time limit that slurm sends SIGUSR1.")
+    signal_seconds: int = doc(120, "Seconds before the time limit that slurm sends SIGUSR1.", bounds=">= 0")
     container: str = doc("", "Container image for srun --container-image ('' = none).")
     env: dict = doc({}, "Extra environment for every rank (e.g. NCCL settings).")
     python: str = doc("python", "Python interpreter on the nodes.")
@@ -337,6 +369,8 @@ class LaunchConfig:
         _require(self.rollout_nodes < self.nodes or self.rollout_nodes == 0, f"{p}.rollout_nodes",
                  f"{self.rollout_nodes} leaves no trainer node of {self.nodes}", "lower it or add nodes")
         _require(self.gpus_per_node >= 0, f"{p}.gpus_per_node", "< 0", "use 0 (CPU) or more")
+        text_rules.check_launch_text(self, p)
+        check_bounds(self, p)
 
 
 @dataclass
@@ -353,6 +387,9 @@ class SFTConfig:
         _require(self.steps >= 0, f"{p}.steps", f"{self.steps} < 0", "use 0 (off) or more")
         _require(self.lr > 0, f"{p}.lr", f"{self.lr} <= 0", "use 1e-3 for the tiny model")
         _require(self.batch_size >= 1, f"{p}.batch_size", f"{self.batch_size} < 1", "use 1 or more")
+        for name in ("task", "dataset", "output"):
+            text_rules.one_line(f"{p}.{name}", getattr(self, name))
+        check_bounds(self, p)
 
 
 SECTIONS = {
