@@ -2,7 +2,7 @@
 
 - ``init_distributed(backend)`` reads rank and world from torchrun (RANK, WORLD_SIZE), Open MPI
   (OMPI_COMM_WORLD_*; mpi4py as a fallback) or slurm (SLURM_PROCID, SLURM_NTASKS), installs the CPU shim
-  when CUDA is absent, and creates the default group with a timeout.
+  when CUDA is absent, and creates the default group with a timeout (rank 0's store listens on MASTER_ADDR alone).
 - ``init_model_parallel(dims, seed)`` builds Megatron's groups from a validated ParallelDims.
 - ``teardown_model_parallel()`` undoes it so the next layout can reuse the same processes.
 - ``run_distributed_test(fn, world_size)`` runs ``fn`` on N spawned ranks; a rank's exception comes back
@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from sao_megatron.core.backends import resolve_backend
+from sao_megatron.core.binding import bound_store
 from sao_megatron.core.dims import ParallelDims
 from sao_megatron.core.ports import free_port
 
@@ -76,9 +77,18 @@ def init_distributed(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     torch.distributed.init_process_group(
-        backend=backend, rank=info.rank, world_size=info.world_size,
+        backend=backend, rank=info.rank, world_size=info.world_size, store=_rendezvous_store(info, timeout_s),
         timeout=datetime.timedelta(seconds=timeout_s))
     return info
+
+
+def _rendezvous_store(info: RankEnv, timeout_s: float):
+    """The default group's TCPStore, rank 0's listening on MASTER_ADDR alone (torch's own listens on
+    every interface). None under torchrun's agent store, which torch's env:// then reaches."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    return bound_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.world_size,
+                       info.rank == 0, timeout_s)
 
 
 def init_model_parallel(dims: ParallelDims, seed: int = 1234, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:

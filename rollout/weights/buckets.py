@@ -18,7 +18,6 @@ odd-length bf16 tensor before an fp32 one would not be).
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -79,16 +78,12 @@ def create_sender_group(master_address: str, master_port: int, world_size: int, 
     """Rank 0 of the weight-update group: host the store and wait for every engine rank to join."""
     from torch.distributed import distributed_c10d as c10d
 
+    from sao_megatron.core.binding import bound_store
+
     timeout = datetime.timedelta(seconds=timeout_s)
-    url = f"tcp://{master_address}:{master_port}"
-    # Under torchrun, TORCHELASTIC_USE_AGENT_STORE makes every rendezvous a client of the agent's store;
-    # this group is ours, so rank 0 must host its own store whatever launched the trainer.
-    agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    try:
-        store, rank, world = next(c10d.rendezvous(url, 0, world_size, timeout=timeout))
-    finally:
-        if agent_store is not None:
-            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
+    # Our own store (never torchrun's agent store), listening on master_address alone: the address the
+    # engines are told, not every interface of the trainer's node.
+    store, rank, world = bound_store(master_address, master_port, world_size, True, timeout_s), 0, world_size
     store.set_timeout(timeout)
     group, _ = c10d._new_process_group_helper(world, rank, [], c10d.Backend(backend),
                                               c10d.PrefixStore(group_name, store),
