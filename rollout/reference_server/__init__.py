@@ -64,12 +64,14 @@ class LocalServer:
 
 def launch_local(model_dir: str | Path, port: int = 0, api_key: str = "", host: str = "127.0.0.1",
                  timeout_s: float = 180.0, log_path: Optional[str | Path] = None, seed: Optional[int] = None,
-                 extra_args: Optional[list[str]] = None) -> LocalServer:
+                 extra_args: Optional[list[str]] = None, insecure: bool = False) -> LocalServer:
     """Spawn `python -m rollout.reference_server` and return once /health answers 200.
 
     ``port=0`` lets the server bind a free port and report it through a port file (no race). The
     child's stdout/stderr go to ``log_path`` (default: a temp file). ``seed`` seeds requests that
     send no ``sampling_seed``; ``extra_args`` are more server flags (e.g. ``["--max-batch", "32"]``).
+    The key travels in $SAO_API_KEY, never on the command line (``ps`` shows that). Without a key
+    the server refuses its weight and control routes unless ``insecure=True`` (``--insecure``).
     Raises RuntimeError with the log tail if the process exits or /health is not 200 within ``timeout_s``.
     """
     workdir = Path(tempfile.mkdtemp(prefix="sao_serve_"))
@@ -80,7 +82,9 @@ def launch_local(model_dir: str | Path, port: int = 0, api_key: str = "", host: 
            *(extra_args or [])]
     if seed is not None:
         cmd += ["--seed", str(seed)]
-    env = dict(os.environ)
+    if insecure and not api_key:
+        cmd.append("--insecure")
+    env = {k: v for k, v in os.environ.items() if k != "SAO_API_KEY"}   # only the key asked for here
     if api_key:
         env["SAO_API_KEY"] = api_key    # not on the command line, where `ps` would show it
     with open(log_path, "ab") as log_file:

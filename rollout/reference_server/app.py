@@ -1,8 +1,11 @@
 """The reference server's HTTP routes: SGLang 0.5.23's paths, bodies and status codes (docs/engines.md).
 
 Every route except /health* needs ``Authorization: Bearer <api key>`` (401 otherwise), as SGLang
-does with ``--api-key`` (utils/auth.py:96-102). Client errors are 400 ``{"error": {"message": ...}}``;
-an unexpected server error is logged with its traceback and answered 500, never hidden.
+does with ``--api-key`` (utils/auth.py:96-102). Stricter than SGLang: a server started WITHOUT a key
+serves only the SERVED_WITHOUT_KEY routes and answers 403 on the weight and control routes (update,
+groups, pause, flush, abort, weight reads) unless it was started with ``--insecure``.
+Client errors are 400 ``{"error": {"message": ...}}``; an unexpected server error is logged with
+its traceback and answered 500, never hidden.
 Route modules: generation (/generate), health (/health*), weight_updates (sessions, groups,
 updates, weight reads), weights_checker; this one holds the rest and the route table.
 GET /sao_server_info is ours, not SGLang's: what tests and benchmarks read about the server.
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import math
 import logging
 
 from aiohttp import web
@@ -26,6 +30,9 @@ from .weights_checker import weights_checker
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = ("/health", "/health_generate")
+SERVED_WITHOUT_KEY = ("/generate", "/health", "/health_generate", "/model_info", "/sao_server_info")
+NO_KEY = ("this server was started without an api key, so its weight and control routes are refused; "
+          "restart it with $SAO_API_KEY set (or --api-key), or with --insecure on a trusted network")
 _json = read_json   # the body reader route modules are handed
 FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. "
            "(When there are running or waiting requests, the operation will not be performed.)\n")
@@ -41,6 +48,8 @@ def _auth_middleware(state: ServerState):
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
                 return error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+        if not (state.api_key or state.insecure or request.path in SERVED_WITHOUT_KEY):
+            return error(403, f"{request.path}: {NO_KEY}")
         try:
             return await handler(request)
         except BadRequest as err:
@@ -105,8 +114,8 @@ async def flush_cache(state: ServerState, request: web.Request) -> web.Response:
         timeout_s = float(request.query.get("timeout", 0.0))
     except ValueError:
         raise BadRequest(f"query parameter 'timeout' must be a number, got {request.query['timeout']!r}") from None
-    if not timeout_s >= 0:
-        raise BadRequest(f"query parameter 'timeout' must be >= 0, got {timeout_s}")
+    if not 0 <= timeout_s < math.inf:
+        raise BadRequest(f"query parameter 'timeout' must be a finite number >= 0, got {timeout_s}")
     if state.flush_pending:
         return web.Response(status=400, text="Another flush_cache is already in progress.")
     message = ""

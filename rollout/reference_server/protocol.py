@@ -41,6 +41,11 @@ class ParsedGenerate:
     routes_start: int
 
 
+INT32_MAX = 2**31 - 1            # SGLang holds top_k in an int32 tensor (sampling_batch_info.py:147)
+SEED_RANGE = (-(2**63), 2**63 - 1)   # SGLang sampling_params.py:308
+MAX_RID_CHARS = 1024             # ours: a rid is an id, not a payload
+
+
 def _typed(value: Any, kind, name: str, allow_none: bool = False):
     if value is None and allow_none:
         return None
@@ -53,6 +58,39 @@ def _typed(value: Any, kind, name: str, allow_none: bool = False):
     return value
 
 
+def _number(raw: dict, key: str, default: float, prefix: str = "sampling_params.") -> float:
+    """A finite float; JSON null means the default (as SGLang's SamplingParams.__post_init__)."""
+    name = prefix + key
+    value = _typed(raw.get(key), (int, float), name, allow_none=True)
+    if value is None:
+        return default
+    try:
+        return float(value)
+    except OverflowError:   # an int too large for a float
+        raise BadRequest(f"field {name!r} must be a finite number, got an integer of {value.bit_length()} bits") from None
+
+
+def _int(raw: dict, key: str, default: Optional[int], lo: int, hi: Optional[int], name: str) -> Optional[int]:
+    """An int in [lo, hi] (hi None = unbounded); JSON null means the default."""
+    value = _typed(raw.get(key), int, name, allow_none=True)
+    if value is None:
+        return default
+    if value < lo or (hi is not None and value > hi):
+        want = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise BadRequest(f"field {name!r} must be {want}, got {_short(value)}")
+    return value
+
+
+def _flag(raw: dict, key: str, default: bool, prefix: str = "") -> bool:
+    value = _typed(raw.get(key), bool, prefix + key, allow_none=True)
+    return default if value is None else value
+
+
+def _short(value: int) -> str:
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:10]}...({value.bit_length()} bits)"
+
+
 def _int_list(value: Any, name: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         if isinstance(value, list) and value and isinstance(value[0], list):
@@ -62,6 +100,7 @@ def _int_list(value: Any, name: str) -> list[int]:
 
 
 def parse_sampling(raw: Any, eos_ids: list[int]) -> SamplingParams:
+    """SGLang's SamplingParams.verify ranges (sampling_params.py:252); stricter where docs/engines.md says."""
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise BadRequest("field 'sampling_params' must be an object")
@@ -70,29 +109,39 @@ def parse_sampling(raw: Any, eos_ids: list[int]) -> SamplingParams:
         raise BadRequest(f"sampling_params.{unknown[0]} is not supported by the reference server")
     p = SamplingParams()
     p.max_new_tokens = _typed(raw.get("max_new_tokens", 128), int, "sampling_params.max_new_tokens")
-    p.temperature = float(_typed(raw.get("temperature", 1.0), (int, float), "sampling_params.temperature"))
-    p.top_p = float(_typed(raw.get("top_p", 1.0), (int, float), "sampling_params.top_p"))
-    p.top_k = _typed(raw.get("top_k", -1), int, "sampling_params.top_k")
-    p.min_p = float(_typed(raw.get("min_p", 0.0), (int, float), "sampling_params.min_p"))
-    p.stop_token_ids = _int_list(raw.get("stop_token_ids") or [], "sampling_params.stop_token_ids")
-    p.ignore_eos = _typed(raw.get("ignore_eos", False), bool, "sampling_params.ignore_eos")
-    p.skip_special_tokens = _typed(raw.get("skip_special_tokens", True), bool, "sampling_params.skip_special_tokens")
-    p.sampling_seed = _typed(raw.get("sampling_seed"), int, "sampling_params.sampling_seed", allow_none=True)
     if p.max_new_tokens < 1:
-        raise BadRequest(f"sampling_params.max_new_tokens must be >= 1, got {p.max_new_tokens}")
+        raise BadRequest(f"sampling_params.max_new_tokens must be >= 1, got {_short(p.max_new_tokens)}")
+    p.temperature = _number(raw, "temperature", 1.0)
     if p.temperature < 0:
         raise BadRequest(f"sampling_params.temperature must be >= 0, got {p.temperature}")
+    p.top_p = _number(raw, "top_p", 1.0)
     if not 0 < p.top_p <= 1:
         raise BadRequest(f"sampling_params.top_p must be in (0, 1], got {p.top_p}")
-    if p.top_k == 0 or p.top_k < -1:
-        raise BadRequest(f"sampling_params.top_k must be -1 (off) or >= 1, got {p.top_k}")
-    if not 0 <= p.min_p < 1:
-        raise BadRequest(f"sampling_params.min_p must be in [0, 1), got {p.min_p}")
-    if raw.get("stop"):
-        raise BadRequest("sampling_params.stop (stop strings) is not supported; use stop_token_ids")
-    if raw.get("n", 1) != 1:
+    p.top_k = _int(raw, "top_k", -1, -1, INT32_MAX, "sampling_params.top_k")
+    if p.top_k == 0:
+        raise BadRequest("sampling_params.top_k must be -1 (off) or >= 1, got 0")
+    p.min_p = _number(raw, "min_p", 0.0)
+    if not 0 <= p.min_p <= 1:
+        raise BadRequest(f"sampling_params.min_p must be in [0, 1], got {p.min_p}")
+    p.sampling_seed = _int(raw, "sampling_seed", None, *SEED_RANGE, "sampling_params.sampling_seed")
+    p.stop_token_ids = _int_list(raw.get("stop_token_ids") or [], "sampling_params.stop_token_ids")
+    p.ignore_eos = _flag(raw, "ignore_eos", False, "sampling_params.")
+    p.skip_special_tokens = _flag(raw, "skip_special_tokens", True, "sampling_params.")
+    _flag(raw, "no_stop_trim", False, "sampling_params.")             # no stop strings: nothing to trim
+    _flag(raw, "spaces_between_special_tokens", True, "sampling_params.")
+    _check_stop(raw.get("stop"))
+    if _int(raw, "n", 1, 1, None, "sampling_params.n") != 1:
         raise BadRequest("sampling_params.n must be 1; send one request per sample")
     return p
+
+
+def _check_stop(stop: Any) -> None:
+    """Stop strings: str or list of str (SGLang's types); any non-empty one is refused."""
+    if stop is None or stop == "" or stop == []:
+        return
+    if not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
+        raise BadRequest(f"field 'sampling_params.stop' must be a string or a list of strings, got {type(stop).__name__}")
+    raise BadRequest("sampling_params.stop (stop strings) is not supported; use stop_token_ids")
 
 
 def parse_generate(body: Any, vocab_size: int, max_context: int, tokenizer, eos_ids: list[int],
@@ -103,41 +152,52 @@ def parse_generate(body: Any, vocab_size: int, max_context: int, tokenizer, eos_
     unknown = sorted(set(body) - GENERATE_FIELDS)
     if unknown:
         raise BadRequest(f"field {unknown[0]!r} is not supported by the reference server")
-    if body.get("stream"):
+    if _flag(body, "stream", False):
         raise BadRequest("field 'stream': streaming is not supported by the reference server; set it false")
-    if body.get("top_logprobs_num"):
+    if _int(body, "top_logprobs_num", 0, 0, None, "top_logprobs_num"):
         raise BadRequest("field 'top_logprobs_num': top logprobs are not supported; use 0")
-    rid = _typed(body.get("rid"), str, "rid", allow_none=True) or uuid.uuid4().hex
+    _flag(body, "return_text_in_logprobs", False), _flag(body, "log_metrics", True)
+    rid = _rid(body)
+    _typed(body.get("extra_key"), str, "extra_key", allow_none=True)
     input_ids = _input_ids(body, tokenizer)
     if not input_ids:
         raise BadRequest("field 'input_ids' is empty")
     bad = [t for t in input_ids if not 0 <= t < vocab_size]
     if bad:
-        raise BadRequest(f"field 'input_ids' holds token {bad[0]} outside the vocabulary [0, {vocab_size})")
+        raise BadRequest(f"field 'input_ids' holds token {_short(bad[0])} outside the vocabulary [0, {vocab_size})")
     if len(input_ids) >= max_context:
         raise BadRequest(f"input is too long: {len(input_ids)} tokens >= max_context {max_context}")
-    start = body.get("logprob_start_len")
-    if start is not None and _typed(start, int, "logprob_start_len") not in (-1, len(input_ids)):
+    start = _int(body, "logprob_start_len", -1, -1, None, "logprob_start_len")
+    if start not in (-1, len(input_ids)):
         raise BadRequest("field 'logprob_start_len': prompt-token logprobs are not supported; use -1")
-    want_routes = bool(_typed(body.get("return_routed_experts", False), bool, "return_routed_experts"))
+    want_routes = _flag(body, "return_routed_experts", False)
     if want_routes and not has_routers:
         raise BadRequest("field 'return_routed_experts': the served model has no MoE routers")
-    routes_start = _typed(body.get("routed_experts_start_len", 0), int, "routed_experts_start_len")
-    if not 0 <= routes_start <= len(input_ids):
-        raise BadRequest(f"field 'routed_experts_start_len' must be in [0, {len(input_ids)}], got {routes_start}")
+    routes_start = _int(body, "routed_experts_start_len", 0, 0, len(input_ids), "routed_experts_start_len")
     return ParsedGenerate(rid=rid, input_ids=input_ids, params=parse_sampling(body.get("sampling_params"), eos_ids),
-                          return_logprob=bool(_typed(body.get("return_logprob", False), bool, "return_logprob")),
+                          return_logprob=_flag(body, "return_logprob", False),
                           return_routes=want_routes, routes_start=routes_start)
 
 
+def _rid(body: dict) -> str:
+    """The client's rid (a fresh one when absent or empty); a list is SGLang's batch form, refused here."""
+    if isinstance(body.get("rid"), list):
+        raise BadRequest("field 'rid': batched requests are not supported; send one rid per request")
+    rid = _typed(body.get("rid"), str, "rid", allow_none=True)
+    if rid and len(rid) > MAX_RID_CHARS:
+        raise BadRequest(f"field 'rid' is {len(rid)} characters; use at most {MAX_RID_CHARS}")
+    return rid or uuid.uuid4().hex
+
+
 def _input_ids(body: dict, tokenizer) -> list[int]:
+    """input_ids when given (as SGLang, they win over text), else the tokenized text."""
+    if not isinstance(body.get("text"), (str, type(None))):
+        raise BadRequest("field 'text' must be a string (batched requests are not supported)")
     if body.get("input_ids") is not None:
         return _int_list(body["input_ids"], "input_ids")
     text = body.get("text")
     if text is None:
         raise BadRequest("one of 'input_ids' or 'text' is required")
-    if not isinstance(text, str):
-        raise BadRequest("field 'text' must be a string (batched requests are not supported)")
     if tokenizer is None:
         raise BadRequest("field 'text': the model directory has no tokenizer; send input_ids")
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -78,7 +78,9 @@ class Scheduler:
         self.paused = False                   # SGLang's _engine_paused (in_place / retract only)
         self.last_output = 0.0                # time.monotonic() of the last finished step
         self.health_checks_skipped = 0
-        self.error: Optional[str] = None      # set if a step raised; the server reports unhealthy
+        self.cancelled = 0                    # requests aborted because their client went away
+        self.error: Optional[str] = None      # set if a step raised; the server then exits (server.py)
+        self.on_failure: Callable[[str], None] = lambda message: None   # called from the dying thread
         self._commands: collections.deque = collections.deque()
         self._cond = threading.Condition()
         self._stop = False
@@ -100,7 +102,7 @@ class Scheduler:
                 raise RuntimeError(f"scheduler failed earlier: {self.error}")
             seed = request.params.sampling_seed
             if seed is None and self.seed is not None and not request.internal:   # reproducible runs
-                seed = self.seed * 1_000_003 + self._submitted
+                seed = (self.seed * 1_000_003 + self._submitted) % 2**64   # torch's seed range
             self._submitted += 0 if request.internal else 1
             request.generator = make_generator(seed)
             self.waiting.append(request)
@@ -134,6 +136,18 @@ class Scheduler:
             req.deliver(req)
         return len(hit)
 
+    def cancel(self, request: Request, message: str) -> bool:
+        """Abort this one request object (its client is gone) unless it already finished."""
+        with self._cond:
+            if request.finish is not None or not any(r is request for r in list(self.running) + list(self.waiting)):
+                return False
+            request.finish = {"type": "abort", "message": message}
+            self.cancelled += 1
+            self._remove_finished()
+            self.waiting = collections.deque(r for r in self.waiting if r.finish is None)
+        request.deliver(request)
+        return True
+
     def pause(self, mode: str) -> None:
         if mode not in SCHEDULER_PAUSE_MODES:
             raise ValueError(f"scheduler pause mode {mode!r} unknown; use one of {', '.join(SCHEDULER_PAUSE_MODES)}")
@@ -165,10 +179,12 @@ class Scheduler:
         try:
             with torch.no_grad():   # grad mode is per thread: this thread never needs autograd
                 self._serve_forever()
-        except Exception as err:   # never swallow: record, fail every request, report unhealthy
+        except BaseException as err:   # never swallow: record, fail every request, stop the server
             self.error = f"{type(err).__name__}: {err}"
             log.error("scheduler step failed:\n%s", traceback.format_exc())
         self._fail_all(self.error or "server shutting down")
+        if self.error:
+            self.on_failure(self.error)
 
     def _serve_forever(self) -> None:
         while True:
@@ -276,4 +292,5 @@ class Scheduler:
     def stats(self) -> dict:
         return {"running": len(self.running), "waiting": len(self.waiting), "paused": self.paused,
                 "weight_version": self.version, "health_checks_skipped": self.health_checks_skipped,
+                "cancelled": self.cancelled,
                 "running_output_tokens": sum(len(r.output_ids) for r in list(self.running))}

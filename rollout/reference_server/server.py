@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import math
 import os
 import signal
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,12 +31,14 @@ class ServeOptions:
     dtype: str = "fp32"
     device: str = "cpu"              # where the model runs: cpu, cuda or cuda:N (the GPU check kit)
     tp: int = 1                      # TP ranks that join the weight-update group (tp_ranks.py)
+    shard_writes: bool = False       # opt-in: each TP rank receives only its slice (shard_writes.py)
     weight_version: int = 0
     weight_sync_timeout_s: float = 600.0
     seed: int | None = None          # base sampling seed for requests without sampling_seed
     threads: int = 0                 # torch intra-op threads; 0 = torch's default
     port_file: str = ""              # write the bound port here once listening (for port 0)
     parent_pid: int = 0              # exit when this process is gone (no orphaned servers)
+    insecure: bool = False           # without an api key, serve the weight and control routes anyway
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind; only this one is served")
     parser.add_argument("--port", type=int, default=30000, help="port (0 = pick a free one, see --port-file)")
     parser.add_argument("--api-key", default=os.environ.get("SAO_API_KEY", ""),
-                        help="require 'Authorization: Bearer KEY' (default $SAO_API_KEY; empty = open)")
+                        help="require 'Authorization: Bearer KEY' (default $SAO_API_KEY, the way to pass it: "
+                             "a command line shows in ps); without a key the weight and control routes "
+                             "answer 403 unless --insecure")
+    parser.add_argument("--insecure", action="store_true",
+                        help="with no api key, serve the weight and control routes to anyone who can connect")
     parser.add_argument("--max-batch", type=int, default=64, help="requests decoded together (KV slots)")
     parser.add_argument("--max-context", type=int, default=0, help="prompt+output token limit (0 = model's)")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
@@ -52,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tensor-parallel ranks to present on the weight-update group, as an SGLang engine "
                              "with --tp-size N: joins as rank_offset+0..N-1 and every rank receives every "
                              "broadcast (the model itself stays whole; CPU only)")
+    parser.add_argument("--shard-writes", action="store_true",
+                        help="also accept shard writes: each TP rank joins its trainer sender's group and receives "
+                             "only its own slice (NOT an SGLang route: SGLang does this only through its Mooncake "
+                             "transfer engine; docs/weights.md)")
     parser.add_argument("--weight-version", type=int, default=0, help="version of the weights loaded at start")
     parser.add_argument("--weight-sync-timeout-s", type=float, default=600.0,
                         help="timeout of weight-group formation and of each broadcast receive")
@@ -65,10 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
     return ServeOptions(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
                         max_batch=args.max_batch, max_context=args.max_context, dtype=args.dtype,
-                        device=args.device, tp=args.tp,
+                        device=args.device, tp=args.tp, shard_writes=args.shard_writes,
                         weight_version=args.weight_version, weight_sync_timeout_s=args.weight_sync_timeout_s,
                         seed=args.seed, threads=args.threads, port_file=args.port_file,
-                        parent_pid=args.parent_pid)
+                        parent_pid=args.parent_pid, insecure=args.insecure)
 
 
 def check_options(opts: ServeOptions) -> None:
@@ -77,8 +90,12 @@ def check_options(opts: ServeOptions) -> None:
                          "(make one with `sao init-model`)")
     if opts.max_batch < 1:
         raise ValueError(f"--max-batch {opts.max_batch} < 1; use 1 or more")
-    if not 0 <= opts.port < 65536:
-        raise ValueError(f"--port {opts.port} out of range; use 0 or 1024-65535")
+    _check_max_context(opts)
+    if opts.threads < 0:
+        raise ValueError(f"--threads {opts.threads} < 0; use 0 (torch's default) or more")
+    if not (opts.weight_sync_timeout_s > 0 and math.isfinite(opts.weight_sync_timeout_s)):
+        raise ValueError(f"--weight-sync-timeout-s {opts.weight_sync_timeout_s} must be a positive number of seconds")
+    _check_address(opts.host, opts.port)
     _check_device(opts.device)
     if opts.tp < 1:
         raise ValueError(f"--tp {opts.tp} < 1; use 1 or more")
@@ -89,6 +106,42 @@ def check_options(opts: ServeOptions) -> None:
     from .state import health_check_timeout_s
 
     health_check_timeout_s(), generation_enabled()   # a bad SGLANG_* value fails here, not per probe
+
+
+def _check_max_context(opts: ServeOptions) -> None:
+    """0 (the model's) or 2..max_position_embeddings: a prompt token and one output must fit."""
+    try:
+        config = json.loads((Path(opts.model) / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--model {opts.model}: config.json is unreadable ({err})") from None
+    limit = (config.get("text_config") or config).get("max_position_embeddings")
+    if opts.max_context == 0:
+        return
+    if opts.max_context < 2:
+        raise ValueError(f"--max-context {opts.max_context}: use 0 (the model's limit) or at least 2 "
+                         "(one prompt token and one output token)")
+    if isinstance(limit, int) and opts.max_context > limit:
+        raise ValueError(f"--max-context {opts.max_context} exceeds the model's max_position_embeddings {limit}; "
+                         f"use 0 or at most {limit}")
+
+
+def _check_address(host: str, port: int) -> None:
+    """Fail before the model loads when the host is not an address here or the port is taken."""
+    if not 0 <= port < 65536:
+        raise ValueError(f"--port {port} out of range; use 0 (any free port) or 1024-65535")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as err:
+        raise ValueError(f"--host {host!r} does not resolve ({err}); use an address of this machine, "
+                         "e.g. 127.0.0.1 or 0.0.0.0") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as aiohttp binds
+        try:
+            probe.bind(address)
+        except OSError as err:
+            raise ValueError(f"cannot listen on {host}:{port}: {err.strerror or err}; pick a free --port "
+                             "(0 = any) and a --host of this machine") from None
 
 
 def _check_device(device: str) -> None:
@@ -122,7 +175,10 @@ def build_state(opts: ServeOptions):
     eos = runner.config.eos_token_id
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     scheduler = Scheduler(runner, eos_ids, weight_version=opts.weight_version, seed=opts.seed)
-    return ServerState(scheduler, tokenizer, opts.api_key, opts.weight_sync_timeout_s, tp=opts.tp)
+    state = ServerState(scheduler, tokenizer, opts.api_key, opts.weight_sync_timeout_s, tp=opts.tp,
+                        insecure=opts.insecure)
+    state.shard_writes = opts.shard_writes   # opt-in routes of shard_writes.py
+    return state
 
 
 def _load_tokenizer(model_dir: str):
@@ -141,27 +197,28 @@ async def _serve(opts: ServeOptions) -> None:
     from .app import build_app
 
     state = build_state(opts)
+    stop, failures = asyncio.Event(), []
+    loop = asyncio.get_running_loop()
+    state.scheduler.on_failure = lambda message: loop.call_soon_threadsafe(_fail, stop, failures,
+                                                                           f"scheduler failed: {message}")
     state.tp_ranks.start()            # TP rank children import torch while the server starts
     state.scheduler.start()
     runner = web.AppRunner(build_app(state), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host=opts.host, port=opts.port)
-    await site.start()
-    port = runner.addresses[0][1]
-    if opts.port_file:
-        tmp = Path(opts.port_file + ".tmp")
-        tmp.write_text(str(port))
-        tmp.rename(opts.port_file)    # atomic: a reader never sees a half-written port
+    try:
+        port = await _listen(runner, opts)
+    except BaseException:
+        await runner.cleanup()
+        state.scheduler.stop()
+        state.tp_ranks.stop()
+        raise
     log.info("sao reference server on http://%s:%d (model %s on %s, %d weight-update rank(s))", opts.host, port,
              opts.model, opts.device, opts.tp)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    watchdog = asyncio.create_task(_watch(state, stop, opts.parent_pid))
-    warm = asyncio.create_task(_warmup(state, stop))
+    watchdog = asyncio.create_task(_watch(state, stop, failures, opts.parent_pid))
+    warm = asyncio.create_task(_warmup(state, stop, failures))
     await stop.wait()
-    failed = warm.done() and not warm.cancelled() and warm.result()
     state.exiting = True              # /health answers 503 from here on, as SGLang's while shutting down
     watchdog.cancel()
     warm.cancel()
@@ -169,36 +226,68 @@ async def _serve(opts: ServeOptions) -> None:
     state.scheduler.stop()
     state.transfer.shutdown(wait=False, cancel_futures=True)
     state.tp_ranks.stop()
-    if failed:
-        raise SystemExit(f"reference server: {failed}")   # exit code 1, one line
+    if failures:   # supervisors see a non-zero exit, never a server whose /health is all that still answers
+        raise SystemExit(f"reference server: {failures[0]}")   # exit code 1, one line
 
 
-async def _warmup(state, stop: asyncio.Event) -> str:
+async def _listen(runner, opts: ServeOptions) -> int:
+    """Bind host:port (a busy port or an unknown host is a one-line ValueError) and return the port."""
+    from aiohttp import web
+
+    site = web.TCPSite(runner, host=opts.host, port=opts.port)
+    try:
+        await site.start()
+    except OSError as err:
+        raise ValueError(f"cannot listen on {opts.host}:{opts.port}: {err.strerror or err}; "
+                         "pick a free --port (0 = any) and a --host of this machine") from None
+    port = runner.addresses[0][1]
+    if opts.port_file:
+        tmp = Path(opts.port_file + ".tmp")
+        tmp.write_text(str(port))
+        tmp.rename(opts.port_file)    # atomic: a reader never sees a half-written port
+    return port
+
+
+def _fail(stop: asyncio.Event, failures: list[str], message: str) -> None:
+    log.error("stopping: %s", message)
+    failures.append(message)
+    stop.set()
+
+
+async def _warmup(state, stop: asyncio.Event, failures: list[str]) -> None:
     """Status Starting (/health 503) until one generate went through; a failed warmup stops the server."""
     from .health import warmup
 
     try:
         await warmup(state)
     except Exception as err:   # SGLang kills the server when its warmup fails (http_server.py:2530-2534)
-        log.error("warmup failed, stopping: %s", err)
-        stop.set()
-        return f"warmup generate failed: {err}"
+        _fail(stop, failures, f"warmup generate failed: {err}")
+        return
     log.info("warmup done: the server is Up")
-    return ""
 
 
-async def _watch(state, stop: asyncio.Event, parent_pid: int) -> None:
-    """Stop when the parent process is gone; log once if the scheduler dies (it also shows in /health)."""
-    reported = False
+async def _watch(state, stop: asyncio.Event, failures: list[str], parent_pid: int) -> None:
+    """Stop when the parent process is gone, or when the scheduler thread is (a backstop to on_failure)."""
     while True:
         if parent_pid and not _alive(parent_pid):
             log.error("parent process %d exited: stopping", parent_pid)
             stop.set()
             return
-        if not state.scheduler.alive and not reported:
-            log.error("scheduler stopped: %s (/health answers 503)", state.scheduler.error)
-            reported = True
+        if not state.scheduler.alive:
+            _fail(stop, failures, f"scheduler stopped: {state.scheduler.error or 'its thread exited'}")
+            return
         await asyncio.sleep(1.0)
+
+
+def _warn_without_key(opts: ServeOptions) -> None:
+    if opts.api_key:
+        return
+    if opts.insecure:
+        log.warning("no api key and --insecure: anyone who can reach %s:%d can replace the weights, pause and "
+                    "flush this server; set $SAO_API_KEY instead", opts.host, opts.port)
+    else:
+        log.warning("no api key: the weight and control routes answer 403 (only /generate, /health*, "
+                    "/model_info and /sao_server_info are served); set $SAO_API_KEY, or pass --insecure")
 
 
 def _alive(pid: int) -> bool:
@@ -209,4 +298,5 @@ def _alive(pid: int) -> bool:
 def serve(opts: ServeOptions) -> None:
     check_options(opts)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _warn_without_key(opts)
     asyncio.run(_serve(opts))

@@ -30,12 +30,13 @@ class ServerState:
     and session, the TP ranks and one worker thread for group formation and broadcast receives."""
 
     def __init__(self, scheduler: Scheduler, tokenizer, api_key: str, weight_sync_timeout_s: float,
-                 tp: int = 1):
+                 tp: int = 1, insecure: bool = False):
         self.scheduler = scheduler
         self.runner = scheduler.runner
         self.weights = WeightMap(self.runner.model)
         self.tokenizer = tokenizer
         self.api_key = api_key
+        self.insecure = insecure                        # no key: serve the control routes anyway
         self.weight_sync_timeout_s = weight_sync_timeout_s
         self.gate = UpdateGate()
         self.status = STARTING
@@ -46,6 +47,7 @@ class ServerState:
         self.groups: dict[str, object] = {}
         self.session: Optional[str] = None              # the selector of the open weight-update session
         self.flush_pending = False
+        self.in_flight: set[str] = set()                # rids of /generate requests not yet answered
         self.tp_ranks = TPRanks(tp, weight_sync_timeout_s)
         # one thread for group formation and broadcast receives, so they keep the trainer's order
         # and never block generation (only the final in-place copy runs on the scheduler thread)

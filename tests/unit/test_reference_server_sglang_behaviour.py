@@ -293,7 +293,7 @@ def test_health_is_503_while_starting_and_can_skip_generation(tiny_model_dir, mo
     from rollout.reference_server.server import ServeOptions, build_state
 
     async def scenario():
-        state = build_state(ServeOptions(model=str(tiny_model_dir), max_context=256))
+        state = build_state(ServeOptions(model=str(tiny_model_dir), max_context=256, insecure=True))
         state.scheduler.start()
         client = TestClient(TestServer(build_app(state)))
         await client.start_server()
