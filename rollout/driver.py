@@ -9,7 +9,12 @@ How it works (one asyncio event loop, the trainer's):
 - A failed engine call (EngineError, timeout, connection error) marks the engine dead and retries the
   request on another engine under a new request id ``<uid>-a<attempt>``; the old id is aborted, and a
   late answer to it is never read, so nothing is lost or duplicated. A background probe brings
-  engines back when their health check passes. All engines down for ``stall_timeout_s`` fails the run.
+  engines back when their health check passes. All engines down for ``engine_down_timeout_s``
+  (rollout.engine_down_timeout_s) fails the run.
+- A failure that never clears (sampling values every engine rejects, a reward that always times out)
+  would otherwise fail sample after sample forever: ``max_failed_in_a_row`` samples failing one after
+  another (rollout.max_failed_in_a_row) stop the run with one line naming the last cause. One sample
+  that finishes resets the count, so transient failures keep retrying.
 - Weight updates (`weight_update(mode)`): engines pause; in "abort"/"retract" mode running requests
   are ended and their partial outputs kept, then resumed after the update as continuations
   (prompt + partial output) under the new weights, so every token's version is exact. In
@@ -64,6 +69,8 @@ class RolloutDriver(EngineHealth):
         self.max_attempts = max_attempts or 3 * len(engines)
         self.probe_interval_s, self.control_timeout_s = probe_interval_s, control_timeout_s
         self.stall_timeout_s = stall_timeout_s or (cfg.request_timeout_s + cfg.reward_timeout_s + 60.0)
+        self.engine_down_timeout_s = min(getattr(cfg, "engine_down_timeout_s", 60.0), self.stall_timeout_s)
+        self.max_failed_in_a_row = getattr(cfg, "max_failed_in_a_row", 0) or max(2 * cfg.max_in_flight, 8)
         self.return_routed_experts = return_routed_experts
         self.stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
@@ -84,6 +91,7 @@ class RolloutDriver(EngineHealth):
         self._started_at = 0.0
         self.stats = StalenessStats()
         self.counts = {"finished": 0, "failed": 0, "engine_errors": 0, "continuations": 0}
+        self.failed_in_a_row = 0
         self._last_batch: list[Sample] = []
         self.recent_failures: deque[tuple[str, str]] = deque(maxlen=64)   # (uid, reason), newest last
 
@@ -234,8 +242,10 @@ class RolloutDriver(EngineHealth):
         if sample.status == SampleStatus.FAILED:
             self.counts["failed"] += 1
             self.recent_failures.append((sample.uid, sample.metadata.get("error", "")))
+            self._count_failure_in_a_row(sample)
         else:
             self.counts["finished"] += 1
+            self.failed_in_a_row = 0
         self.buffer.put(sample)
         self._progress.set()
         self._fill()
@@ -317,6 +327,15 @@ class RolloutDriver(EngineHealth):
         sample.routed_experts = routes if routes is not None and routes.shape[0] == sample.num_tokens - 1 else None
         sample.metadata["engine"] = result.engine or sample.metadata.get("engine", "")
 
+    def _count_failure_in_a_row(self, sample: Sample) -> None:
+        """A cause that fails every sample stops the run (one line, the last reason) instead of
+        drawing prompt after prompt forever; the sample still goes to the buffer (counted as dropped)."""
+        self.failed_in_a_row += 1
+        if self.failed_in_a_row >= self.max_failed_in_a_row and self._error is None:
+            reason = sample.metadata.get("error", "") or "no reason recorded"
+            self._error = DriverError(f"{self.failed_in_a_row} samples failed in a row "
+                                      f"(rollout.max_failed_in_a_row={self.max_failed_in_a_row}); last: {reason}")
+
     def _fail(self, sample: Sample, reason: str) -> str:
         sample.status = SampleStatus.FAILED
         sample.metadata["error"] = reason
@@ -338,6 +357,8 @@ class RolloutDriver(EngineHealth):
 
     # ---- errors, metrics, resume -----------------------------------------------------------------------
     def _raise_if_failed(self) -> None:
+        if isinstance(self._error, DriverError):   # a known cause: its one line says it all
+            raise DriverError(str(self._error))
         if self._error is not None:
             raise DriverError(f"rollout worker failed: {type(self._error).__name__}: {self._error}") from self._error
 

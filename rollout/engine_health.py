@@ -5,7 +5,7 @@ when a call fails (aborting the request it held), and bring dead engines back wh
 driver's state: ``engines`` {name: Generator}, ``_load`` {name: requests in flight}, ``_dead`` (names),
 ``_versions`` {name: weight version}, ``_update_lock`` (held through a weight update), ``counts``,
 ``_error`` and ``_progress`` (how a failure reaches get_batch), and the timing settings
-``probe_interval_s``, ``control_timeout_s``, ``stall_timeout_s``.
+``probe_interval_s``, ``control_timeout_s``, ``stall_timeout_s``, ``engine_down_timeout_s``.
 """
 from __future__ import annotations
 
@@ -27,17 +27,17 @@ class DriverError(RuntimeError):
 
 class EngineHealth:
     async def _pick_engine(self) -> Generator:
-        """The least-loaded live engine; waits for a revival, fails after stall_timeout_s."""
-        deadline = time.monotonic() + self.stall_timeout_s
+        """The least-loaded live engine; waits for a revival, fails after engine_down_timeout_s."""
+        deadline = time.monotonic() + self.engine_down_timeout_s
         while True:
             live = [n for n in self.engines if n not in self._dead]
             if live:
                 return self.engines[min(live, key=lambda n: self._load[n])]
             if time.monotonic() > deadline:
-                self._error = DriverError(f"all engines are down ({sorted(self.engines)}) for "
-                                          f"{self.stall_timeout_s:.0f}s; check the servers and their logs")
+                if self._error is None:
+                    self._error = DriverError(self._down_message())
                 self._progress.set()
-                raise self._error
+                raise DriverError(str(self._error))
             await asyncio.sleep(self.probe_interval_s)
 
     async def _engine_failed(self, engine: Generator, rid: str, reason: str) -> None:
@@ -74,9 +74,12 @@ class EngineHealth:
             raise DriverError(f"engine {engine.name}: control call failed ({type(exc).__name__}: {exc}); "
                               "is the server up?") from exc
 
+    def _down_message(self) -> str:
+        return (f"all engines are down ({sorted(self.engines)}) for {self.engine_down_timeout_s:.0f}s "
+                "(rollout.engine_down_timeout_s); check the servers and their logs")
+
     def _stall_message(self) -> str:
         if len(self._dead) == len(self.engines):
-            return (f"all engines are down ({sorted(self.engines)}) for {self.stall_timeout_s:.0f}s; "
-                    "check the servers and their logs")
+            return self._down_message()
         return (f"no sample finished for {self.stall_timeout_s:.0f}s: {len(self._active)} in flight, "
                 f"load {self._load}, dead engines {sorted(self._dead)}, buffer {self.buffer.num_ready} ready")

@@ -1,4 +1,9 @@
-"""From a validated recipe to running ranks: run dir, model creation, rank launch, the loop."""
+"""From a validated recipe to running ranks: run dir, model creation, rank launch, the loop.
+
+Exit codes of `sao train`: 0 when the run finished, or stopped on SIGTERM/SIGUSR1 after saving the
+last completed step; 1 when a fault stopped it (one line on stderr naming the cause, the last
+completed step saved when the state allowed); 2 for a recipe error (sao_megatron/cli/main.py).
+"""
 from __future__ import annotations
 
 import asyncio
@@ -15,6 +20,9 @@ from sao_megatron.core.config import ConfigError, Recipe
 def train_from_recipe(recipe: Recipe) -> int:
     """Entry point of `sao train`. Launches ranks itself when the recipe asks for more than one."""
     run_dir = prepare_run_dir(recipe)
+    from sao_megatron.core.processes import reap_descendants_at_exit
+
+    reap_descendants_at_exit()   # nothing this run starts outlives it, even after a SIGKILL
     world = recipe.parallel.resolved_world_size()
     if world > 1 and "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ \
             and "SLURM_PROCID" not in os.environ:
@@ -64,10 +72,16 @@ def run_rank(recipe: Recipe) -> int:
 
     single_process_port()
     env = init_distributed("auto")
-    state = asyncio.run(_train(recipe, env.rank, env.world_size))
+    from .stopping import CollectionStopped
+
+    try:
+        state, stopped = asyncio.run(_train(recipe, env.rank, env.world_size))
+    except CollectionStopped as err:   # a rollout fault: its one line, no traceback
+        print(f"error: {err} (run dir {recipe.run_dir})", file=sys.stderr)
+        return 1
     if env.rank == 0:
-        print(f"done: {state.step} steps, weight version {state.version}; run dir {recipe.run_dir}",
-              file=sys.stderr)
+        how = f"stopped by {stopped} after step {state.step}, checkpoint saved" if stopped else f"{state.step} steps"
+        print(f"done: {how}, weight version {state.version}; run dir {recipe.run_dir}", file=sys.stderr)
     return 0
 
 
@@ -78,8 +92,9 @@ async def _train(recipe: Recipe, rank: int, world_size: int):
 
     state = TrainerState()
     async with build_components(recipe, rank, world_size) as parts:
-        await Trainer(recipe, parts, state).train()
-    return state
+        trainer = Trainer(recipe, parts, state)
+        await trainer.train()
+    return state, trainer.stopped
 
 
 def rank_main(argv: list[str] | None = None) -> int:

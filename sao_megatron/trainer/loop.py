@@ -6,6 +6,12 @@ the advantage estimator and the loss, and group mode asks the driver for n rollo
 Rank 0 drives rollouts and engines; with several trainer ranks it shares each batch of samples with
 the others, and every rank runs the model steps. What the loop talks to comes built in `Components`
 (components.py); where the run is lives in `TrainerState` (state.py), which checkpoints save.
+
+Stopping (docs/reliability.md): a preemption signal is honoured between steps and during collection
+(stopping.py); a rollout failure during collection stops the run with its one line. Either way, and
+for any other error raised while the state is consistent (between a finished step and the next
+model update), the last completed step is saved first: its model, and the driver's buffer and
+in-flight samples, which a resume re-issues, so no sample is lost or trained on twice.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from .batching import advantage_batch, gather_responses, pack_samples, with_adva
 from .checkpointing import checkpoint_parts, report_resume
 from .components import Components
 from .state import TrainerState, total_steps, warmup_steps
+from .stopping import CollectionStopped, collect_until_stopped, share_batch
 
 
 class Trainer:
@@ -30,6 +37,8 @@ class Trainer:
         self.warmup, self.total = warmup_steps(recipe), total_steps(recipe)
         # One thread runs every model call, so the event loop keeps requests flowing meanwhile.
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="model", initializer=_enter_shim)
+        self.consistent = False    # True between a finished step (or the resume) and the next model update
+        self.stopped: CollectionStopped | None = None
 
     async def on_model_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._model_thread, fn, *args)
@@ -39,24 +48,52 @@ class Trainer:
         try:
             await self.resume_and_start()
             await self.pretrain_value_model()
+            self.consistent = True
             while state.step < self.total and not parts.checkpoints.preemption_requested():
-                started = time.perf_counter()
-                samples = await self.collect()
-                stats = steps.rollout_metrics(samples, state.version)
-                if parts.trains:
-                    batches, prepared = await self.prepare(samples)
-                    stats |= prepared | await self.update_critic(batches)
-                    if state.step >= self.warmup:
-                        stats |= await self.update_policy(batches)
-                        stats |= await parts.weights.sync(state.version + 1)
-                        state.version += 1
-                state.step += 1
-                stats["perf/step_time_s"] = time.perf_counter() - started
-                stats |= await self.maybe_evaluate()
-                self.log(stats, state.step)
-                await parts.checkpoints.maybe_save(state.step, state.step == self.total, checkpoint_parts(parts, state))
+                await self.train_step()
+        except CollectionStopped as stop:
+            await self.save_last_completed_step()
+            if not stop.stop.preempted:
+                raise
+            self.stopped = stop
+        except BaseException:
+            if self.parts.world_size == 1:   # with more ranks the others may not reach a collective save
+                await self.save_last_completed_step()
+            raise
         finally:
             self._model_thread.shutdown()
+
+    async def train_step(self) -> None:
+        parts, state = self.parts, self.state
+        started = time.perf_counter()
+        samples = await self.collect()
+        self.consistent = False
+        stats = steps.rollout_metrics(samples, state.version)
+        if parts.trains:
+            batches, prepared = await self.prepare(samples)
+            stats |= prepared | await self.update_critic(batches)
+            if state.step >= self.warmup:
+                stats |= await self.update_policy(batches)
+                stats |= await parts.weights.sync(state.version + 1)
+                state.version += 1
+        state.step += 1
+        self.consistent = True
+        stats["perf/step_time_s"] = time.perf_counter() - started
+        stats |= await self.maybe_evaluate()
+        self.log(stats, state.step)
+        await parts.checkpoints.maybe_save(state.step, state.step == self.total, checkpoint_parts(self.parts, state))
+
+    async def save_last_completed_step(self) -> None:
+        """On a stop or a fatal error: save the last completed step unless the models are mid-update
+        (then the previous checkpoint stands), or a checkpoint of it exists already."""
+        checkpoints, step = self.parts.checkpoints, self.state.step
+        if not (self.consistent and checkpoints.saves):
+            return
+        latest = checkpoints.checkpointer.latest()
+        if latest is not None and latest.name.endswith(f"{step:08d}"):
+            return
+        self.consistent = False    # a failure inside the save must not try again
+        await checkpoints.maybe_save(step, True, checkpoint_parts(self.parts, self.state))
 
     async def resume_and_start(self) -> None:
         """Continue from the latest checkpoint (if any), give the engines its weights, then start rollouts."""
@@ -71,8 +108,9 @@ class Trainer:
         """Rank 0 gets finished samples from its sample source; the other ranks receive them."""
         samples = None
         if self.parts.samples is not None:
-            samples = await self.parts.samples.get_batch(self.recipe.rollout.batch_size, self.state.version)
-        return _share(samples, self.parts.world_size)
+            samples = await collect_until_stopped(
+                self.parts.samples.get_batch(self.recipe.rollout.batch_size, self.state.version))
+        return share_batch(samples, self.parts.world_size)
 
     async def prepare(self, samples: list[Sample]):
         """Pack the samples once -> critic values on those batches -> advantages -> the batches with them."""
@@ -147,16 +185,6 @@ def _enter_shim() -> None:
     from parallel.cpu_shim import enter_shim_in_this_thread
 
     enter_shim_in_this_thread()
-
-
-def _share(samples, world_size: int):
-    if world_size == 1:
-        return samples
-    import torch.distributed as dist
-
-    box = [samples]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _my_share(batches: list[TrainBatch]) -> list[TrainBatch]:

@@ -1,0 +1,323 @@
+"""Trainer faults (issue 15.3): the real loop (`Trainer`), driver and checkpoints, with scripted engines.
+
+Each case asserts the one-line error or the recovery, and that no step or sample is lost or
+duplicated: the checkpoint's step counter, and every drawn prompt's uid found exactly once among the
+batches trained, the samples that failed, and the checkpoint's buffer and in-flight work.
+The model is a stand-in (rollout-only steps: trains=False); what is checked is the loop's stopping,
+saving and resuming, which does not depend on the model.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from checkpoints import preemption
+from checkpoints.init_model import build_tokenizer
+from checkpoints.run_state import ValueState
+from rollout.driver import RolloutDriver
+from rollout.engine import EngineError
+from rollout.prompts import build_prompt_source
+from rollout.rewards import resolve_reward_fn
+from rollout.scripted_engine import ScriptedEngine
+from sao_megatron.core.config import load_recipe
+from sao_megatron.core.processes import pid_alive
+from sao_megatron.trainer.checkpointing import Checkpoints
+from sao_megatron.trainer.components import Components
+from sao_megatron.trainer.loop import Trainer
+from sao_megatron.trainer.state import TrainerState
+from sao_megatron.trainer.stopping import CollectionStopped
+from sao_megatron.trainer.weight_updates import NoWeightUpdates
+
+TOK = build_tokenizer()
+GENEROUS_S = 120   # turns a hang into a failure; the bounded times asserted are far below it
+
+
+@pytest.fixture(autouse=True)
+def _restore_signal_handlers():
+    saved = {s: signal.getsignal(s) for s in preemption.DEFAULT_SIGNALS}
+    preemption.clear()
+    yield
+    preemption.clear()
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+class Run:
+    """One trainer over scripted engines; records the uids of every batch it trained on."""
+
+    def __init__(self, tmp, engines, steps: int, reward_fn=None, **rollout):
+        opts = dict(task="arithmetic", batch_size=4, max_in_flight=4, max_new_tokens=8, staleness_bound=100,
+                    request_timeout_s=30.0, reward_timeout_s=5.0) | rollout
+        overrides = [f"run.output_dir='{tmp}'", "run.name='faults'", f"run.num_steps={steps}", "model.path='unused'",
+                     "critic.warmup_steps=0", "checkpoint.interval=0"]
+        overrides += [f"rollout.{k}={v!r}" if isinstance(v, str) else f"rollout.{k}={str(v).lower()}"
+                      for k, v in opts.items()]
+        self.recipe = load_recipe(None, overrides, check_files=False)
+        cfg = self.recipe.rollout
+        source = build_prompt_source(cfg, TOK, seed=0, num_problems=256)
+        self.driver = RolloutDriver(engines, source, reward_fn or resolve_reward_fn(cfg), cfg, TOK, seed=0,
+                                    probe_interval_s=0.02)
+        self.model = {"updates": 0}
+        policy = ValueState(lambda: self.model, self.model.update)
+        self.checkpoints = Checkpoints(self.recipe, 0, 1, saves=True)
+        parts = Components(0, 1, policy, None, self.driver, NoWeightUpdates(), self.checkpoints, trains=False)
+        self.state = TrainerState()
+        self.trainer = Trainer(self.recipe, parts, self.state)
+        self.trained: list[str] = []
+        get_batch = self.driver.get_batch
+
+        async def recording(*args, **kw):
+            batch = await get_batch(*args, **kw)
+            self.trained += [s.uid for s in batch]
+            return batch
+
+        self.driver.get_batch = recording
+
+    async def train(self):
+        try:
+            await asyncio.wait_for(self.trainer.train(), GENEROUS_S)
+        finally:
+            await self.driver.stop()
+
+    def latest(self):
+        return self.checkpoints.checkpointer.latest()
+
+    def saved(self) -> dict:
+        """The latest checkpoint's trainer state and driver state."""
+        ckpt = self.latest()
+        return {"trainer": torch.load(ckpt / "trainer.rank00000.pt", weights_only=False),
+                "driver": torch.load(ckpt / "driver.rank00000.pt", weights_only=False)}
+
+
+def saved_uids(driver_state: dict) -> list[str]:
+    buffer = driver_state["buffer"]
+    return ([d["uid"] for g in buffer["ready"] for d in g] + [d["uid"] for d in buffer["partial"]]
+            + [d["uid"] for d in driver_state["work"]])
+
+
+def assert_each_prompt_once(driver_state: dict, *accounted: list[str]) -> None:
+    """Every prompt drawn up to the checkpoint is in exactly one place (failed ones counted apart)."""
+    uids = [u for group in accounted for u in group] + saved_uids(driver_state)
+    assert len(uids) == len(set(uids)), "a sample is in two places"
+    drawn = driver_state["prompt_source"]["drawn"]
+    assert sorted(int(u[1:].split("-")[0]) for u in uids) == list(range(drawn))
+
+
+def failed_uids(run: Run) -> list[str]:
+    return [uid for uid, _ in run.driver.recent_failures]
+
+
+class RejectingEngine(ScriptedEngine):
+    """Answers normally for `good` requests, then rejects every request as SGLang does a bad value."""
+
+    def __init__(self, name="e0", good: int = 0, **kw):
+        super().__init__(name, token_time_s=0.0005, **kw)
+        self.good = good
+
+    async def generate(self, request):
+        if len(self.rids) >= self.good:
+            self.rids.append(request.rid)
+            raise EngineError(f"engine {self.name}: /generate answered HTTP 400: top_k must be -1 or >= 1")
+        return await super().generate(request)
+
+
+# ---- 1. every sample failing stops the run in bounded time, one line, the last step saved ----------
+def test_engine_rejecting_everything_stops_with_one_line_and_saves_the_last_step(tmp_path):
+    run = Run(tmp_path, [RejectingEngine(good=8)], steps=5, max_failed_in_a_row=6)
+    started = time.monotonic()
+    with pytest.raises(CollectionStopped) as err:
+        asyncio.run(run.train())
+    message = str(err.value)
+    assert "\n" not in message and time.monotonic() - started < GENEROUS_S / 2
+    assert "6 samples failed in a row (rollout.max_failed_in_a_row=6)" in message
+    assert "HTTP 400: top_k must be -1 or >= 1" in message
+    assert not err.value.stop.preempted
+    assert run.state.step == 2 and run.latest().name == "step_00000002"   # the two good steps, saved
+    saved = run.saved()
+    assert saved["trainer"]["step"] == 2
+    assert_each_prompt_once(saved["driver"], run.trained, failed_uids(run))
+
+
+def test_reward_that_always_times_out_stops_naming_the_reward(tmp_path):
+    async def never(sample):
+        await asyncio.sleep(3600)
+
+    run = Run(tmp_path, [ScriptedEngine("e0", token_time_s=0.0005)], steps=3, reward_fn=never,
+              reward_timeout_s=0.05, max_failed_in_a_row=4)
+    with pytest.raises(CollectionStopped) as err:
+        asyncio.run(run.train())
+    assert "4 samples failed in a row" in str(err.value)
+    assert "reward timed out after 0.05s (rollout.reward_timeout_s)" in str(err.value)
+    assert run.state.step == 0 and run.saved()["trainer"]["step"] == 0
+
+
+def test_transient_engine_failures_still_retry_and_the_run_finishes(tmp_path):
+    engines = [ScriptedEngine(f"e{i}", token_time_s=0.0005, fail_prob=0.5, seed=i, length_fn=lambda rng: 4)
+               for i in range(2)]
+    run = Run(tmp_path, engines, steps=3, max_failed_in_a_row=4)
+    asyncio.run(run.train())
+    assert run.state.step == 3 and run.latest().name == "step_00000003"
+    assert run.driver.counts["engine_errors"] > 0          # failures happened and were retried
+    assert len(run.trained) == 12 and len(set(run.trained)) == 12
+
+
+def test_max_failed_in_a_row_defaults_to_twice_max_in_flight(tmp_path):
+    run = Run(tmp_path, [ScriptedEngine("e0")], steps=1, max_in_flight=8)
+    assert run.driver.max_failed_in_a_row == 16
+
+
+# ---- 2. engines down: named within rollout.engine_down_timeout_s, not 670 s ------------------------
+def test_dead_engine_is_reported_within_engine_down_timeout(tmp_path):
+    engine = ScriptedEngine("e0", token_time_s=0.0005)
+    run = Run(tmp_path, [engine], steps=5, engine_down_timeout_s=1.0)
+
+    async def kill_after_first_step():
+        while run.state.step < 1:
+            await asyncio.sleep(0.01)
+        engine.kill()
+
+    async def main():
+        killer = asyncio.create_task(kill_after_first_step())
+        try:
+            await run.train()
+        finally:
+            killer.cancel()
+
+    started = time.monotonic()
+    with pytest.raises(CollectionStopped) as err:
+        asyncio.run(main())
+    assert "all engines are down (['e0']) for 1s (rollout.engine_down_timeout_s)" in str(err.value)
+    assert time.monotonic() - started < 30
+    assert run.saved()["trainer"]["step"] == run.state.step >= 1
+
+
+def test_engine_down_timeout_defaults_to_60s():
+    recipe = load_recipe(None, ["model.path='unused'"], check_files=False)
+    assert recipe.rollout.engine_down_timeout_s == 60.0
+
+
+# ---- 3. SIGTERM / SIGUSR1 during collection: stop, save the last completed step, resume exactly ----
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_during_collection_saves_last_step_and_resume_loses_nothing(tmp_path, sig):
+    engine = ScriptedEngine("e0", token_time_s=0.0005)
+    run = Run(tmp_path, [engine], steps=4)
+
+    async def signal_while_collecting():
+        while run.state.step < 2:
+            await asyncio.sleep(0.005)
+        engine.token_time_s = 3600.0       # step 3's samples hang in flight, partly generated
+        while not engine._running:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+        os.kill(os.getpid(), sig)
+
+    async def main():
+        sender = asyncio.create_task(signal_while_collecting())
+        await run.train()
+        await sender
+
+    started = time.monotonic()
+    asyncio.run(main())
+    assert time.monotonic() - started < GENEROUS_S / 2
+    assert run.trainer.stopped is not None and sig.name in str(run.trainer.stopped)
+    assert run.state.step == 2 and run.latest().name == "step_00000002"
+    saved = run.saved()
+    assert saved["trainer"]["step"] == 2
+    assert saved["driver"]["work"], "the in-flight samples were not saved"
+    assert_each_prompt_once(saved["driver"], run.trained, failed_uids(run))
+    first = list(run.trained)
+
+    preemption.clear()
+    resumed = Run(tmp_path, [ScriptedEngine("e1", token_time_s=0.0005)], steps=4)
+    asyncio.run(resumed.train())
+    assert resumed.state.step == 4 and resumed.latest().name == "step_00000004"
+    in_flight_at_stop = {d["uid"] for d in saved["driver"]["work"]}
+    assert in_flight_at_stop <= set(resumed.trained + saved_uids(resumed.saved()["driver"]))
+    assert_each_prompt_once(resumed.saved()["driver"], first, resumed.trained,
+                            failed_uids(run), failed_uids(resumed))
+
+
+# ---- 4. a fatal error: saved when the state is consistent, not when a model is mid-update ---------
+def test_fatal_error_between_steps_saves_the_last_completed_step(tmp_path, monkeypatch):
+    run = Run(tmp_path, [ScriptedEngine("e0", token_time_s=0.0005)], steps=4)
+    calls = {"n": 0}
+
+    def log_then_fail(metrics, step):
+        calls["n"] += 1
+        if step == 2:
+            raise RuntimeError("metric sink is gone")
+
+    monkeypatch.setattr(run.trainer, "log", log_then_fail)
+    with pytest.raises(RuntimeError, match="metric sink is gone"):
+        asyncio.run(run.train())
+    assert run.latest().name == "step_00000002" and run.saved()["trainer"]["step"] == 2
+
+
+def test_fatal_error_mid_update_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    from sao_megatron.trainer import steps
+
+    run = Run(tmp_path, [ScriptedEngine("e0", token_time_s=0.0005)], steps=4)
+    real = steps.rollout_metrics
+
+    def fail_on_third(samples, version):
+        if run.state.step == 2:
+            raise RuntimeError("update failed")
+        return real(samples, version)
+
+    monkeypatch.setattr(steps, "rollout_metrics", fail_on_third)
+    with pytest.raises(RuntimeError, match="update failed"):
+        asyncio.run(run.train())
+    assert run.latest() is None      # interval 0: nothing saved, and nothing written mid-update
+
+
+# ---- 5. children die with the run, SIGKILL included ----------------------------------------------
+ORPHAN_MAKER = textwrap.dedent("""
+    import multiprocessing as mp, subprocess, sys, time
+    from sao_megatron.core.processes import reap_descendants_at_exit
+    if __name__ == "__main__":
+        assert reap_descendants_at_exit()
+        manager = mp.get_context("spawn").Manager()      # what Megatron's checkpoint writer starts
+        detached = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                    start_new_session=True)
+        print(manager._process.pid, detached.pid, flush=True)
+        time.sleep(600)
+""")
+
+
+def test_children_die_with_a_sigkilled_trainer(tmp_path):
+    script = tmp_path / "trainer.py"
+    script.write_text(ORPHAN_MAKER)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    children = []
+    try:
+        children = [int(p) for p in proc.stdout.readline().split()]
+        assert len(children) == 2 and all(pid_alive(p) for p in children)
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + GENEROUS_S
+        while any(_running(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_running(p) for p in children), "a child outlived the SIGKILLed trainer"
+    finally:
+        for pid in children:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie waiting for its (new) parent to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
