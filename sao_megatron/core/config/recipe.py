@@ -168,7 +168,10 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] = (), check
         if not path.is_file():
             raise ConfigError("recipe", f"{path} does not exist", "pass the path of a .toml recipe")
         try:
-            raw = tomllib.loads(path.read_text())
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as err:
+            raise ConfigError("recipe", f"{path} is not UTF-8 text (byte {err.start}: {err.reason})",
+                              "save the recipe as UTF-8 TOML") from None
         except tomllib.TOMLDecodeError as err:
             raise ConfigError("recipe", f"{path} is not valid TOML ({err})", "fix the TOML syntax") from None
     for item in overrides:
