@@ -220,6 +220,17 @@ class SGLangEngine(Generator, WeightReceiver):
             "weight_version": str(weight_version),
             "load_format": "flattened_bucket" if flattened_bucket else None}, self.weight_timeout_s)
 
+    async def update_weight_version(self, version: int) -> None:
+        await self._success("/update_weight_version", {"new_version": str(version), "abort_all_requests": False},
+                            self.weight_timeout_s)
+
+    async def join_shard_groups(self, master_address: str, groups: list[dict]) -> None:
+        await self._success("/sao_join_shard_groups", {"master_address": master_address, "groups": groups},
+                            self.weight_timeout_s)
+
+    async def destroy_shard_groups(self, group_names: list[str]) -> None:
+        await self._success("/sao_destroy_shard_groups", {"group_names": group_names}, self.weight_timeout_s)
+
     async def update_weights_from_disk(self, model_path: str, weight_version: int, flush_cache: bool = True) -> None:
         await self._success("/update_weights_from_disk", {
             "model_path": model_path, "weight_version": str(weight_version), "flush_cache": flush_cache},

@@ -53,6 +53,7 @@ def _serve_rank(conn, timeout_s: float, parent_pid: int) -> None:
 
     exit_with_parent(parent_pid)
     groups: dict[str, Any] = {}
+    shard: dict[str, Any] = {"groups": {}}   # shard writes (shard_writes.py): shared weights, groups
     while True:
         try:
             command, args = conn.recv()
@@ -70,11 +71,32 @@ def _serve_rank(conn, timeout_s: float, parent_pid: int) -> None:
             elif command == "destroy":
                 destroy_weight_update_group(groups.pop(args))
                 reply = ("ok", None)
+            elif command.startswith("shard_"):
+                reply = ("ok", _shard_command(command, args, shard, timeout_s))
             else:
                 return
         except Exception as err:   # answered to the server, which reports it in the HTTP reply
             reply = ("error", f"{type(err).__name__}: {err}")
         conn.send(reply)
+
+
+def _shard_command(command: str, args, shard: dict, timeout_s: float):
+    """Shard writes on a child rank: attach the shared weights, join a sender's group, leave it."""
+    from .shard_writes import ShardTarget, join_and_serve
+    from .weight_group import destroy_weight_update_group
+
+    if command == "shard_attach":
+        shard["params"] = args
+    elif command == "shard_join" and args is not None:
+        entry, address, tp, backend = args
+        target = ShardTarget(shard["params"], tp, entry["tp_rank"])
+        shard["groups"][entry["group_name"]] = join_and_serve(entry, address, target, backend, timeout_s)
+    elif command == "shard_destroy":
+        for name in args:
+            group = shard["groups"].pop(name, None)
+            if group is not None:
+                destroy_weight_update_group(group)
+    return None
 
 
 class TPRanks:

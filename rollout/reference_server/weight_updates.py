@@ -27,6 +27,7 @@ from typing import Optional
 from aiohttp import web
 
 from .http_io import error, on_scheduler, read_json, required, result
+from . import shard_writes
 from .protocol import BadRequest, parse_optional
 from .tp_ranks import digest
 from .weight_group import destroy_weight_update_group, init_weight_update_group, receive_tensors
@@ -50,6 +51,7 @@ def add_routes(router: web.UrlDispatcher, state) -> None:
     router.add_post("/update_weight_version", lambda q: update_weight_version(state, q))
     for method in ("GET", "POST"):
         router.add_route(method, "/get_weights_by_name", lambda q: get_weights_by_name(state, q))
+    shard_writes.add_routes(router, state)   # opt-in (--shard-writes), not SGLang's: shard_writes.py
 
 
 def _selector(body: dict) -> str:

@@ -69,5 +69,18 @@ class WeightReceiver(abc.ABC):
         rank's {tensor name: checksum}. Not abstract: receivers that keep no weights need not answer."""
         raise EngineError(f"engine {self.name}: {type(self).__name__} does not implement check_weights")
 
+    async def update_weight_version(self, version: int) -> None:
+        """Label the weights the engine serves (SGLang's /update_weight_version, without aborting
+        requests): the shard-writes transport writes weights without an update call that carries one."""
+        raise EngineError(f"engine {self.name}: {type(self).__name__} does not implement update_weight_version")
+
+    async def join_shard_groups(self, master_address: str, groups: list[dict]) -> None:
+        """Shard writes (rollout/weights/sharded.py): each listed TP rank joins its sender's group. Not
+        an SGLang route: only the reference server with --shard-writes answers it."""
+        raise EngineError(f"engine {self.name}: {type(self).__name__} does not take shard writes")
+
+    async def destroy_shard_groups(self, group_names: list[str]) -> None:
+        raise EngineError(f"engine {self.name}: {type(self).__name__} does not take shard writes")
+
     async def close(self) -> None:
         """Release client resources (connections). The server itself keeps running."""

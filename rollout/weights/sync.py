@@ -167,7 +167,26 @@ def _engine_ranks(ranks_per_engine: int | Sequence[int], engines: int) -> list[i
     return ranks
 
 
-class BroadcastWeightSync(_EngineSync):
+class _SessionSync(_EngineSync):
+    """A transport whose engines load inside SGLang's weight-update session (broadcast, shard writes)."""
+
+    @contextlib.asynccontextmanager
+    async def update_session(self):
+        """One weight-update session per engine around a push; closed when the push fails too (at most
+        SESSION_CLOSE_AFTER_FAILURE_S, then left to the next push's begin, which recovers it)."""
+        t = self.cfg.timeout_s
+        await run_all(self._each(_begin_session), "begin_weight_update", t)
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(EngineError):
+                await run_all(self._each(lambda e: e.end_weight_update()), "end_weight_update",
+                              min(SESSION_CLOSE_AFTER_FAILURE_S, t))
+            raise
+        await run_all(self._each(lambda e: e.end_weight_update()), "end_weight_update", t)
+
+
+class BroadcastWeightSync(_SessionSync):
     def __init__(self, cfg, engines: list[WeightReceiver], *, ranks_per_engine: int | Sequence[int] = 1,
                  master_address: Optional[str] = None, stage: int = 0, dtype: Optional[torch.dtype] = None):
         super().__init__(cfg, engines, dtype)
@@ -193,21 +212,6 @@ class BroadcastWeightSync(_EngineSync):
             offsets.append(next_rank)
             next_rank += ranks
         return offsets
-
-    @contextlib.asynccontextmanager
-    async def update_session(self):
-        """One weight-update session per engine around a push; closed when the push fails too (at most
-        SESSION_CLOSE_AFTER_FAILURE_S, then left to the next push's begin, which recovers it)."""
-        t = self.cfg.timeout_s
-        await run_all(self._each(_begin_session), "begin_weight_update", t)
-        try:
-            yield
-        except BaseException:
-            with contextlib.suppress(EngineError):
-                await run_all(self._each(lambda e: e.end_weight_update()), "end_weight_update",
-                              min(SESSION_CLOSE_AFTER_FAILURE_S, t))
-            raise
-        await run_all(self._each(lambda e: e.end_weight_update()), "end_weight_update", t)
 
     async def connect(self) -> None:
         """Form the weight-update group (sender rank 0 + every engine rank); idempotent."""
@@ -318,10 +322,15 @@ def build_weight_sync(cfg, engines: list[WeightReceiver], run_dir: str | Path | 
     `ranks_per_engine` (each engine's TP size) shapes the broadcast group; disk needs no group."""
     if cfg.method == "broadcast":
         return BroadcastWeightSync(cfg, engines, ranks_per_engine=ranks_per_engine, **kwargs)
+    if cfg.method == "shard_writes":
+        from .sharded import ShardWriteSync
+
+        kwargs.pop("stage", None)   # every rank's export is whole here (senders = "driver")
+        return ShardWriteSync(cfg, engines, ranks_per_engine=ranks_per_engine, **kwargs)
     if cfg.method == "disk":
         disk_dir = cfg.disk_dir or (Path(run_dir) / "weights" if run_dir is not None else "")
         if not disk_dir:
             raise ValueError("weight_sync.disk_dir is empty and no run_dir was given; fix: set weight_sync.disk_dir")
         return DiskWeightSync(cfg, engines, disk_dir, **kwargs)
-    raise ValueError(f"weight_sync.method {cfg.method!r} unknown; fix: use 'broadcast' or 'disk'")
+    raise ValueError(f"weight_sync.method {cfg.method!r} unknown; fix: use 'broadcast', 'shard_writes' or 'disk'")
 

@@ -1,0 +1,74 @@
+"""The wire of shard writes between one trainer sender (group rank 0) and one engine TP rank.
+
+A stand-in, over a world-(1 + k) gloo/nccl group per sender, for the one-sided writes SGLang's
+transfer-engine route makes into a rank's registered weights (docs/weights.md, "Shard writes"): the
+engine rank runs a passive loop that applies whatever arrives and only speaks when asked for an ack.
+Messages from the sender to group rank j, in order on that pair:
+- BUCKET: header int64[3] = (BUCKET, meta bytes, payload bytes); meta = UTF-8 JSON
+  {"names", "dtypes", "shapes"} of the rank-local slices; payload = their bytes concatenated in that
+  order (aligned as buckets.py explains: descending element size);
+- END: header (END, 0, 0); the rank answers int64[3] = (ok, payload bytes since the last END,
+  message bytes) and, when message bytes > 0, the UTF-8 error text (the first failure);
+- CLOSE: header (CLOSE, 0, 0); the rank's loop ends (before the group is destroyed).
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+
+BUCKET, END, CLOSE = 1, 2, 3
+
+
+def _send(tensor: torch.Tensor, dst: int, group) -> None:
+    import torch.distributed as dist
+
+    dist.send(tensor, dst=dst, group=group)
+
+
+def _recv(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    dist.recv(tensor, src=src, group=group)
+    return tensor
+
+
+def _text(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def send_bucket(meta: dict, payload: torch.Tensor, dst: int, group):
+    """Send one bucket to group rank `dst`; returns the payload's pending send (wait before reusing it)."""
+    import torch.distributed as dist
+
+    raw = _text(json.dumps(meta).encode())
+    _send(torch.tensor([BUCKET, raw.numel(), payload.numel()], dtype=torch.int64), dst, group)
+    _send(raw, dst, group)
+    return dist.isend(payload, dst=dst, group=group)
+
+
+def send_control(kind: int, dst: int, group) -> None:
+    _send(torch.tensor([kind, 0, 0], dtype=torch.int64), dst, group)
+
+
+def recv_ack(src: int, group) -> tuple[bool, int, str]:
+    """(ok, payload bytes the rank received since the last END, its first error or '')."""
+    ok, nbytes, msg_len = _recv(torch.empty(3, dtype=torch.int64), src, group).tolist()
+    message = bytes(_recv(torch.empty(msg_len, dtype=torch.uint8), src, group).numpy()).decode() if msg_len else ""
+    return bool(ok), nbytes, message
+
+
+def recv_message(group) -> tuple[int, dict | None, torch.Tensor | None]:
+    """The engine rank's side: the next (kind, meta, payload) from group rank 0."""
+    kind, meta_len, payload_len = _recv(torch.empty(3, dtype=torch.int64), 0, group).tolist()
+    if kind != BUCKET:
+        return kind, None, None
+    meta = json.loads(bytes(_recv(torch.empty(meta_len, dtype=torch.uint8), 0, group).numpy()).decode())
+    return kind, meta, _recv(torch.empty(payload_len, dtype=torch.uint8), 0, group)
+
+
+def send_ack(ok: bool, nbytes: int, message: str, group) -> None:
+    raw = _text(message.encode())
+    _send(torch.tensor([int(ok), nbytes, raw.numel()], dtype=torch.int64), 0, group)
+    if raw.numel():
+        _send(raw, 0, group)

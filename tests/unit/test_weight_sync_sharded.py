@@ -1,0 +1,135 @@
+"""Shard writes (weight_sync.method = "shard_writes"): each engine TP rank receives only its slice.
+
+Against real reference servers (`--tp 2 --shard-writes`, HTTP + gloo, TP rank 1 a child process that
+writes into the shared weights): the bytes each rank acks equal its slice of the model
+(shard_plan.bytes_per_rank, less than the whole), the served weights equal the trainer's after the
+sync (check_equal through /weights_checker), and two sender lanes run on their own groups in parallel.
+A server started without the flag refuses, naming it; a slice that is not the rank's own is refused
+by the rank, named in the push's error.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from checkpoints.hf_io import HFCheckpoint
+from rollout.engine import EngineError
+from rollout.weights.check import check_weight_update_equal
+from rollout.weights.shard_plan import COLUMN, REPLICATED, ROW, VOCAB, bytes_per_rank, rank_slice, split_kind
+from rollout.weights.sharded import ShardWriteSync
+from sao_megatron.core.config import WeightSyncConfig
+
+
+def _new_weights(model_dir, scale: float, seed: int = 11):
+    g = torch.Generator().manual_seed(seed)
+    return [(n, t + scale * torch.randn(t.shape, generator=g, dtype=t.dtype)) for n, t in HFCheckpoint(model_dir).items()]
+
+
+def _engine(srv, name):
+    from rollout.sglang_client import SGLangEngine
+
+    return SGLangEngine(srv.url, api_key="k", name=name, control_timeout_s=30, weight_timeout_s=120)
+
+
+def _launch(model_dir, *args):
+    from rollout.reference_server import launch_local
+
+    return launch_local(model_dir, port=0, api_key="k", timeout_s=300, extra_args=list(args))
+
+
+def test_split_rules_follow_the_layer_types():
+    assert split_kind("model.layers.0.self_attn.q_proj.weight") == COLUMN
+    assert split_kind("model.layers.0.mlp.experts.3.up_proj.weight") == COLUMN
+    assert split_kind("model.layers.0.self_attn.o_proj.weight") == ROW
+    assert split_kind("model.layers.0.mlp.experts.3.down_proj.weight") == ROW
+    assert split_kind("model.embed_tokens.weight") == VOCAB == split_kind("lm_head.weight")
+    assert split_kind("model.layers.0.mlp.gate.weight") == REPLICATED == split_kind("model.norm.weight")
+    assert rank_slice("model.layers.0.self_attn.o_proj.weight", (8, 6), 2, 1) == (1, 3, 3)
+    assert rank_slice("model.layers.0.self_attn.q_proj.weight", (8, 6), 2, 1) == (0, 4, 4)
+    assert rank_slice("model.layers.0.self_attn.q_proj.weight", (7, 6), 2, 1) is None   # does not divide: whole
+    assert rank_slice("model.norm.weight", (8,), 2, 0) is None
+
+
+def test_two_lanes_write_each_rank_its_slice_and_the_engines_match_the_trainer(tiny_model_dir):
+    """Engines of TP 2 and TP 1, two sender lanes: lane 0 serves (tp2, rank 0) and (tp1, rank 0), lane 1
+    serves (tp2, rank 1). Two pushes (groups reused); after each the servers hold the trainer's tensors."""
+    servers = [_launch(tiny_model_dir, "--tp", "2", "--shard-writes"), _launch(tiny_model_dir, "--shard-writes")]
+    pushes = [_new_weights(tiny_model_dir, 0.03, seed=1), _new_weights(tiny_model_dir, 0.05, seed=2)]
+
+    async def scenario():
+        engines = [_engine(servers[0], "tp2"), _engine(servers[1], "tp1")]
+        try:
+            sync = ShardWriteSync(WeightSyncConfig(method="shard_writes", bucket_mb=0.05, timeout_s=120), engines,
+                                  ranks_per_engine=[2, 1], senders=2)
+            lanes = [[(t.name, t.rank) for t in lane.targets] for lane in sync.lanes]
+            outcomes = []
+            for version, named in enumerate(pushes, start=3):
+                async with sync.update_session():
+                    await sync.push(named, version)
+                checked = await check_weight_update_equal(engines, named)
+                outcomes.append((dict(sync.received), [c.compared for c in checked],
+                                 [await e.weight_version() for e in engines]))
+            await sync.close()
+            return lanes, outcomes
+        finally:
+            for e in engines:
+                await e.close()
+
+    try:
+        lanes, outcomes = asyncio.run(scenario())
+    finally:
+        for s in servers:
+            s.stop()
+    assert lanes == [[("tp2", 0), ("tp1", 0)], [("tp2", 1)]]
+    total = sum(t.numel() * t.element_size() for _, t in pushes[0])
+    per_rank = bytes_per_rank(pushes[0], 2)
+    assert per_rank[0] < 0.75 * total and per_rank[1] < 0.75 * total   # a broadcast sends each rank `total`
+    for version, (received, compared, versions) in enumerate(outcomes, start=3):
+        assert received == {("tp2", 0): per_rank[0], ("tp2", 1): per_rank[1], ("tp1", 0): total}
+        assert compared == [47, 47] and versions == [version, version]
+
+
+def test_server_without_the_flag_refuses_shard_writes_naming_it(tiny_model_dir):
+    server = _launch(tiny_model_dir)
+
+    async def scenario():
+        engine = _engine(server, "plain")
+        try:
+            await ShardWriteSync(WeightSyncConfig(method="shard_writes", timeout_s=60), [engine]).connect()
+        finally:
+            await engine.close()
+
+    try:
+        with pytest.raises(EngineError, match=r"engine plain: joining .* --shard-writes"):
+            asyncio.run(scenario())
+    finally:
+        server.stop()
+
+
+def test_a_slice_that_is_not_the_ranks_own_is_refused_by_the_rank(tiny_model_dir, monkeypatch):
+    """A sender that sends whole tensors (a broadcast's bytes) to a TP-2 rank: the rank writes nothing
+    of them and its ack names the first tensor, so the push fails naming the engine and the rank."""
+    import rollout.weights.sharded as sharded
+
+    monkeypatch.setattr(sharded, "shard_of", lambda name, tensor, tp, rank: tensor)
+    server = _launch(tiny_model_dir, "--tp", "2", "--shard-writes")
+    named = _new_weights(tiny_model_dir, 0.02)
+
+    async def scenario():
+        engine = _engine(server, "tp2")
+        try:
+            sync = ShardWriteSync(WeightSyncConfig(method="shard_writes", bucket_mb=0.05, timeout_s=60), [engine],
+                                  ranks_per_engine=2, senders=2)
+            async with sync.update_session():
+                await sync.push(named, 1)
+        finally:
+            await engine.close()
+
+    try:
+        with pytest.raises(EngineError, match=r"engine tp2 tp_rank [01]: refused shard writes: tp_rank [01]: "
+                                              r"weight .* holds"):
+            asyncio.run(scenario())
+    finally:
+        server.stop()
