@@ -1,26 +1,26 @@
-"""Run untrusted Python (model-written code) in a limited subprocess.
+"""Run untrusted Python (model-written code) isolated by the OS.
 
-Layers, from the kernel up:
-- rlimits set by the child's guard before any user code runs (not in a preexec_fn, which can
-  deadlock in a threaded parent): CPU seconds (RLIMIT_CPU -> SIGXCPU), address space
-  (RLIMIT_AS -> MemoryError), size of any written file (RLIMIT_FSIZE -> SIGXFSZ/EFBIG), open files,
-  no core dumps; the child gets its own session so the whole process group is killed on timeout;
-- wall time: the parent kills the process group after ``wall_time_s``;
-- network: the child runs under ``unshare -n`` (an empty network namespace: no interfaces but a
-  down loopback) when the platform allows it (root or unprivileged user namespaces). Where it
-  does not, ``SandboxResult.network_isolated`` is False and the audit hook below is the only guard;
-- files and processes: a guard installs a Python audit hook (PEP 578) before the code runs. It refuses
-  writes, deletes, renames, links and chdir outside the scratch directory, reads outside the scratch
-  directory and the Python installation, sockets, subprocesses/exec/fork, and ctypes. Audit hooks
-  cannot be removed from Python code, but they are not a boundary against native code; run the
-  trainer in a container for real isolation;
-- a fresh scratch directory per run (the working directory), removed afterwards; stdout/stderr go to
-  files in it, so the file-size limit also bounds the output.
+``isolation="bwrap"`` (the default, recipe field ``rollout.sandbox``): bubblewrap gives the run its
+own pid/network/ipc namespaces, a fresh /proc, an empty environment, a read-only view of /usr and
+the Python installation, a private writable working dir and /tmp, and rlimits (CPU seconds strictly
+below the wall limit, address space, file size, processes, open files) before the interpreter starts;
+as root it also runs under a fresh unprivileged uid (sandbox_bwrap.py). Where bwrap is missing or
+cannot create namespaces, ``run_python`` raises ``SandboxUnavailable`` with one line naming the fix
+and the recipe field: it never silently runs untrusted code without isolation.
+
+``isolation="unsafe-no-isolation"`` (opt-in, in so many words): a plain subprocess with rlimits, an
+empty network namespace where ``unshare -n`` works, and the in-process audit-hook guard only.
+
+In both modes the guard of sandbox_guard.py runs first (clear errors for common mistakes, not a
+boundary); wall time kills the run; at the end the whole sandbox is gone: under bwrap the pid
+namespace's init is killed, so the kernel kills every process in it (a setsid child included), and
+bwrap exits only after that; stdout/stderr go to files the file-size limit also bounds.
 """
 from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import os
 import shutil
 import signal
@@ -31,75 +31,52 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-GUARD = r'''
-import os, resource, sys
-# limits first, before any user code: cpu_s, as_bytes, fsize_bytes, nofile
-CPU, AS, FSIZE, NOFILE = (int(x) for x in sys.argv[4].split(","))
-resource.setrlimit(resource.RLIMIT_CPU, (CPU, CPU + 1))
-resource.setrlimit(resource.RLIMIT_AS, (AS, AS))
-resource.setrlimit(resource.RLIMIT_FSIZE, (FSIZE, FSIZE))
-resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE, NOFILE))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-SCRATCH = os.path.realpath(sys.argv[1])
-READ_ROOTS = [SCRATCH] + sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
-                                                              os.path.dirname(os.__file__))})
-NETWORK = sys.argv[3] == "1"
-BLOCKED = ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
-           "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "pty.spawn", "os.kill", "os.killpg",
-           "resource.setrlimit", "resource.prlimit")
-PATH_EVENTS = {"os.remove": (0,), "os.rmdir": (0,), "os.rename": (0, 1), "os.replace": (0, 1), "os.mkdir": (0,),
-               "os.chmod": (0,), "os.chown": (0,), "os.link": (0, 1), "os.symlink": (0, 1), "os.truncate": (0,),
-               "os.utime": (0,), "os.chdir": (0,), "shutil.rmtree": (0,), "shutil.move": (0, 1),
-               "shutil.copyfile": (1,), "os.listdir": (0,), "os.scandir": (0,)}
-WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+from rollout.sandbox_bwrap import (ENV, SANDBOX_DIR, UNSAFE, SandboxUnavailable, bwrap_command, mib, nproc_for,
+                                   pick_uid, prepare_box, require_bwrap, rlimit_args)
+from rollout.sandbox_guard import GUARD
 
-def inside(path, roots):
-    if isinstance(path, int) or path is None:
-        return True
-    real = os.path.realpath(os.fsdecode(path))
-    return any(real == r or real.startswith(r + os.sep) for r in roots)
-
-def hook(event, args):
-    if event in BLOCKED or event.startswith("ctypes."):
-        raise PermissionError(f"sandbox: {event} is not allowed")
-    if event.startswith("socket.") and not NETWORK:
-        raise PermissionError(f"sandbox: network access ({event}) is not allowed")
-    if event == "open":
-        path, mode, flags = args
-        writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or bool((flags or 0) & WRITE_FLAGS)
-        if not inside(path, [SCRATCH] if writing else READ_ROOTS):
-            raise PermissionError(f"sandbox: {'writing' if writing else 'reading'} {path} is outside the scratch dir")
-    elif event in PATH_EVENTS:
-        roots = READ_ROOTS if event in ("os.listdir", "os.scandir") else [SCRATCH]
-        for i in PATH_EVENTS[event]:
-            if i < len(args) and not inside(args[i], roots):
-                raise PermissionError(f"sandbox: {event} on {args[i]} is outside the scratch dir")
-
-code = open(sys.argv[2]).read()
-sys.addaudithook(hook)
-sys.argv = [sys.argv[2]]
-exec(compile(code, "main.py", "exec"), {"__name__": "__main__"})
-'''
+ISOLATIONS = ("bwrap", UNSAFE)
+TAIL_BYTES = 4096
+__all__ = ["ISOLATIONS", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "run_python",
+           "network_namespace_available"]
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
+    """Per-run limits. ``cpu_time_s`` defaults to one second under the wall limit (at least 1) and must
+    stay below it, so a CPU spin is stopped by the kernel (limit "cpu_time") before the wall clock."""
+
     wall_time_s: float = 10.0
-    cpu_time_s: int = 5
+    cpu_time_s: Optional[int] = None
     memory_mb: int = 512
     file_size_mb: int = 8
     open_files: int = 64
+    max_processes: int = 32          # RLIMIT_NPROC: processes and threads of the run
+    tmp_mb: int = 64                 # size of the private /tmp (bwrap)
     max_output_bytes: int = 64 * 1024
     network: bool = False
+    isolation: str = "bwrap"         # or "unsafe-no-isolation" (rollout.sandbox)
+
+    def __post_init__(self):
+        if self.cpu_time_s is None:
+            object.__setattr__(self, "cpu_time_s", max(1, math.ceil(self.wall_time_s) - 1))
+        if not self.cpu_time_s < self.wall_time_s:
+            raise ValueError(f"SandboxLimits.cpu_time_s={self.cpu_time_s} is not below wall_time_s="
+                             f"{self.wall_time_s}: a CPU spin would hit the wall clock first; lower cpu_time_s")
+        if self.isolation not in ISOLATIONS:
+            raise ValueError(f"SandboxLimits.isolation={self.isolation!r} is not one of {ISOLATIONS} "
+                             "(recipe field rollout.sandbox)")
 
 
 @dataclass
 class SandboxResult:
-    returncode: int
-    stdout: str
+    returncode: int                    # negative signal number when a signal ended the program
+    stdout: str                        # the first max_output_bytes
     stderr: str
     limit: Optional[str] = None        # "wall_time" | "cpu_time" | "memory" | "file_size" when one was hit
-    network_isolated: bool = False     # the run had no network namespace access (unshare -n)
+    network_isolated: bool = False     # the run had no network (own namespace)
+    stdout_tail: str = ""              # the last 4 KiB of stdout, however long it was
+    isolation: str = "bwrap"
 
     @property
     def ok(self) -> bool:
@@ -108,11 +85,7 @@ class SandboxResult:
 
 @functools.lru_cache(maxsize=1)
 def network_namespace_command() -> list[str]:
-    """The prefix that runs a command in an empty network namespace here, or [] if none works.
-
-    `unshare -n` needs CAP_SYS_ADMIN (root); `unshare -rn` also maps the user to root inside a new
-    user namespace, which works unprivileged where user namespaces are enabled. Probed once.
-    """
+    """Unsafe mode only: the prefix that runs a command in an empty network namespace, or [] if none works."""
     if not shutil.which("unshare"):
         return []
     for prefix in (["unshare", "-n"], ["unshare", "-rn"]):
@@ -128,9 +101,117 @@ def network_namespace_available() -> bool:
     return bool(network_namespace_command())
 
 
+async def run_python(code: str, limits: SandboxLimits = SandboxLimits(),
+                     files: Optional[dict[str, str]] = None) -> SandboxResult:
+    """Run `code` as a script in a fresh working dir (with `files` written into it first) under `limits`.
+
+    Raises SandboxUnavailable when limits.isolation is "bwrap" and bwrap cannot isolate here.
+    """
+    if limits.isolation == "bwrap":
+        require_bwrap()
+    scratch = Path(tempfile.mkdtemp(prefix="sao-sandbox-"))
+    try:
+        return await _run_in(scratch, code, limits, files or {})
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def _limit_arg(limits: SandboxLimits) -> str:
-    mb = 1024 * 1024
-    return f"{limits.cpu_time_s},{limits.memory_mb * mb},{limits.file_size_mb * mb},{limits.open_files}"
+    return f"{limits.cpu_time_s},{mib(limits.memory_mb)},{mib(limits.file_size_mb)},{limits.open_files}"
+
+
+def _command(scratch: Path, limits: SandboxLimits) -> tuple[list[str], Path, bool]:
+    """(argv, working dir on this side, network isolated) for the run's isolation mode."""
+    box = scratch / "box"
+    if limits.isolation == "bwrap":
+        uid = pick_uid()
+        prepare_box(box, uid)
+        guard_argv = [sys.executable, "-I", f"{SANDBOX_DIR}/_guard.py", SANDBOX_DIR, f"{SANDBOX_DIR}/main.py",
+                      "1" if limits.network else "0", _limit_arg(limits)]
+        rlimits = rlimit_args(limits.cpu_time_s, mib(limits.memory_mb), mib(limits.file_size_mb),
+                              limits.open_files, nproc_for(limits.max_processes))
+        cmd = bwrap_command(str(box), guard_argv, uid=uid, limits=rlimits, network=limits.network,
+                            tmp_bytes=mib(limits.tmp_mb))
+        return cmd, box, not limits.network
+    box.mkdir(mode=0o700)
+    unshare = network_namespace_command() if not limits.network else []
+    cmd = unshare + [sys.executable, "-I", str(box / "_guard.py"), str(box), str(box / "main.py"),
+                     "1" if limits.network else "0", _limit_arg(limits)]
+    return cmd, box, bool(unshare)
+
+
+async def _run_in(scratch: Path, code: str, limits: SandboxLimits, files: dict[str, str]) -> SandboxResult:
+    cmd, box, isolated = _command(scratch, limits)
+    for name, text in {**files, "_guard.py": GUARD, "main.py": code}.items():
+        (box / name).write_text(text)
+    timed_out = False
+    with open(scratch / ".stdout", "wb") as out, open(scratch / ".stderr", "wb") as err:
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err, cwd=box, env=_env(limits, box),
+            start_new_session=True)
+        try:
+            await asyncio.wait_for(proc.wait(), limits.wall_time_s)
+        except asyncio.TimeoutError:
+            timed_out = True
+        finally:
+            if proc.returncode is None:
+                await _stop(proc)
+    returncode = _signal_code(proc.returncode) if limits.isolation == "bwrap" else proc.returncode
+    stdout = _read_head(scratch / ".stdout", limits.max_output_bytes)
+    stderr = _read_head(scratch / ".stderr", limits.max_output_bytes)
+    limit = _which_limit(returncode, stderr, timed_out)
+    return SandboxResult(returncode, stdout, stderr, limit, isolated, _read_tail(scratch / ".stdout"),
+                         limits.isolation)
+
+
+def _env(limits: SandboxLimits, box: Path) -> dict[str, str]:
+    """A minimal environment for the launcher itself (bwrap's pid 1 inside keeps the one it started with)."""
+    return dict(ENV) if limits.isolation == "bwrap" else {**ENV, "HOME": str(box)}
+
+
+def _signal_code(returncode: int) -> int:
+    """bwrap reports a command killed by signal N as exit 128 + N; give it back as -N like Popen does."""
+    return -(returncode - 128) if 128 < returncode < 128 + signal.NSIG else returncode
+
+
+async def _stop(proc) -> None:
+    """Kill the whole sandbox: bwrap's child first (pid 1 of the sandbox's pid namespace, so the
+    kernel kills every process in it and bwrap exits once they are gone), then bwrap's process group."""
+    children = _children(proc.pid)
+    for child in children:
+        _kill(child)
+    if children:
+        try:
+            await asyncio.wait_for(proc.wait(), 10)
+        except asyncio.TimeoutError:
+            pass
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        await proc.wait()
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as fh:
+                    stat = fh.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry.name))
+    return kids
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _which_limit(returncode: int, stderr: str, timed_out: bool) -> Optional[str]:
@@ -145,48 +226,12 @@ def _which_limit(returncode: int, stderr: str, timed_out: bool) -> Optional[str]
     return None
 
 
-async def run_python(code: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
-    """Run `code` as a script in a fresh scratch directory under `limits`."""
-    scratch = Path(tempfile.mkdtemp(prefix="sao-sandbox-"))
-    try:
-        return await _run_in(scratch, code, limits)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
-async def _run_in(scratch: Path, code: str, limits: SandboxLimits) -> SandboxResult:
-    (scratch / "_guard.py").write_text(GUARD)
-    (scratch / "main.py").write_text(code)
-    unshare = network_namespace_command() if not limits.network else []
-    cmd = unshare + [sys.executable, "-I", str(scratch / "_guard.py"), str(scratch), str(scratch / "main.py"),
-                     "1" if limits.network else "0", _limit_arg(limits)]
-    with open(scratch / ".stdout", "wb") as out, open(scratch / ".stderr", "wb") as err:
-        proc = await asyncio.create_subprocess_exec(
-            *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err, cwd=scratch,
-            env={"PATH": "/usr/bin:/bin", "HOME": str(scratch), "PYTHONDONTWRITEBYTECODE": "1"},
-            start_new_session=True)
-        timed_out = False
-        try:
-            await asyncio.wait_for(proc.wait(), limits.wall_time_s)
-        except asyncio.TimeoutError:
-            timed_out = True
-        finally:
-            if proc.returncode is None:
-                _kill_group(proc.pid)
-                await proc.wait()
-    stdout = _read_head(scratch / ".stdout", limits.max_output_bytes)
-    stderr = _read_head(scratch / ".stderr", limits.max_output_bytes)
-    limit = _which_limit(proc.returncode, stderr, timed_out)
-    return SandboxResult(proc.returncode, stdout, stderr, limit, bool(unshare))
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 def _read_head(path: Path, limit: int) -> str:
     with open(path, "rb") as fh:
         return fh.read(limit).decode("utf-8", errors="replace")
+
+
+def _read_tail(path: Path) -> str:
+    with open(path, "rb") as fh:
+        fh.seek(max(0, os.fstat(fh.fileno()).st_size - TAIL_BYTES))
+        return fh.read().decode("utf-8", errors="replace")

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from rollout.rewards.code import code_reward, extract_program
-from rollout.sandbox import SandboxLimits, network_namespace_available, run_python
+from rollout.sandbox import SandboxLimits, run_python
 from sao_megatron.core.records import Sample
 
 FAST = SandboxLimits(wall_time_s=20, cpu_time_s=2, memory_mb=512, file_size_mb=1)
@@ -66,15 +66,25 @@ def test_network_is_blocked():
     t.join()
     server.close()
     assert r.returncode == 1 and "network access" in r.stderr and not connected
-    assert r.network_isolated == network_namespace_available()
+    assert r.network_isolated
 
 
 def test_limits_cpu_memory_file_size_wall_time():
     assert run("while True: pass").limit == "cpu_time"
     assert run("x = bytearray(2 * 1024**3)").limit == "memory"
     assert run("open('big', 'wb').write(b'0' * (4 * 1024**2))").limit == "file_size"
-    r = run("import time; time.sleep(60)", SandboxLimits(wall_time_s=0.5))
+    r = run("import time; time.sleep(60)", SandboxLimits(wall_time_s=2))
     assert r.limit == "wall_time" and r.returncode == -9
+
+
+def test_cpu_limit_must_be_below_the_wall_limit():
+    assert SandboxLimits(wall_time_s=5).cpu_time_s == 4 and SandboxLimits(wall_time_s=1.5).cpu_time_s == 1
+    with pytest.raises(ValueError, match="cpu_time_s=1 is not below wall_time_s=0.5"):
+        SandboxLimits(wall_time_s=0.5)
+    with pytest.raises(ValueError, match="cpu_time_s=10 is not below wall_time_s=10"):
+        SandboxLimits(wall_time_s=10, cpu_time_s=10)
+    with pytest.raises(ValueError, match="rollout.sandbox"):
+        SandboxLimits(isolation="none")
 
 
 def test_output_is_truncated():

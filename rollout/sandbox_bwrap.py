@@ -1,0 +1,181 @@
+"""The bubblewrap command line that isolates one sandbox run at the OS level.
+
+What the sandboxed process gets (see docs/rollout.md, "Sandbox"):
+- its own pid, network, ipc, uts (and cgroup) namespaces: a fresh /proc that shows only its own
+  processes (never the trainer's /proc/<pid>/environ), no network but a down loopback;
+- an empty environment (bwrap itself is started with a minimal one too, so not even bwrap's
+  pid 1 inside holds the trainer's variables) plus PATH, HOME and single-thread math libraries;
+- a read-only view of /usr (and the /bin, /lib* links) and the Python installation only: no /etc,
+  no home, no project tree; a private writable working dir (/sandbox) and a size-capped /tmp;
+- a new session (no terminal to inject keystrokes into), SIGKILL when bwrap's parent dies;
+- rlimits set by `prlimit` before the interpreter starts: CPU seconds, address space, written-file
+  size, processes, open files, no core dumps.
+
+RLIMIT_NPROC is not enforced for root, and a user namespace made by root still maps to root, so when
+we are root bwrap runs without a user namespace and the command drops to a fresh unprivileged uid
+(`setpriv`, all capabilities gone) picked at random per run: the process limit is then that run's own.
+As an ordinary user bwrap makes a user namespace (nested ones disabled) and the process limit is
+counted on top of the user's current processes.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+SANDBOX_DIR = "/sandbox"
+INSTALL_HINT = "install bubblewrap (apt-get install -y bubblewrap)"
+UNSAFE = "unsafe-no-isolation"
+OPT_OUT = f'or set rollout.sandbox = "{UNSAFE}" to run model-written code without OS isolation'
+ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": SANDBOX_DIR, "PYTHONDONTWRITEBYTECODE": "1",
+       "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "LANG": "C.UTF-8"}
+# uids the sandbox runs as when we are root: far above any real account, never 65534 (nobody)
+UID_BASE, UID_SPAN = 3_000_000, 1_000_000_000
+
+
+class SandboxUnavailable(RuntimeError):
+    """The OS isolation the sandbox needs is missing or does not work here (one-line message)."""
+
+
+def is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def pick_uid() -> Optional[int]:
+    """A fresh unprivileged uid for one run when we are root (its process count is that run's alone)."""
+    return UID_BASE + secrets.randbelow(UID_SPAN) if is_root() else None
+
+
+def _python_roots() -> list[str]:
+    """The directories the interpreter needs (venv and base install), outside /usr, outermost only."""
+    roots = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
+    roots += [os.path.dirname(os.path.realpath(sys.executable))]
+    kept: list[str] = []
+    for root in sorted(set(roots)):
+        if root == "/usr" or root.startswith("/usr/"):
+            continue
+        if not any(root == k or root.startswith(k + os.sep) for k in kept):
+            kept.append(root)
+    return kept
+
+
+def _system_mounts() -> list[str]:
+    """/usr read-only; /bin, /sbin, /lib* as the same links (merged /usr) or read-only binds."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for name in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
+        if os.path.islink(name):
+            args += ["--symlink", os.readlink(name), name]
+        elif os.path.isdir(name):
+            args += ["--ro-bind", name, name]
+    return args
+
+
+def _readonly_binds(roots: list[str]) -> list[str]:
+    """Read-only binds of `roots` with their parent dirs made 0755 (bwrap would make them 0700,
+    which an unprivileged uid cannot walk through)."""
+    args: list[str] = []
+    made: set[str] = {"/"}
+    for root in roots:
+        for parent in reversed(Path(root).parents):
+            if str(parent) not in made:
+                made.add(str(parent))
+                args += ["--perms", "0755", "--dir", str(parent)]
+        args += ["--ro-bind", root, root]
+    return args
+
+
+def _namespaces(network: bool) -> list[str]:
+    if is_root():   # no user namespace: it would map the sandbox to root, where RLIMIT_NPROC is not enforced
+        args = ["--unshare-ipc", "--unshare-pid", "--unshare-uts", "--unshare-cgroup-try"]
+        args += [] if network else ["--unshare-net"]
+        return args + ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    args = ["--unshare-all", "--unshare-user", "--disable-userns"]
+    return args + (["--share-net"] if network else [])
+
+
+def user_process_count() -> int:
+    """Processes (threads included, as RLIMIT_NPROC counts them) of this uid now."""
+    uid, count = os.getuid(), 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if entry.stat().st_uid == uid:
+                    count += len(os.listdir(f"/proc/{entry.name}/task"))
+            except OSError:
+                continue
+    return count
+
+
+def rlimit_args(cpu_s: int, as_bytes: int, fsize_bytes: int, nofile: int, nproc: int) -> list[str]:
+    """`prlimit` options; the CPU hard limit one second above the soft one (SIGXCPU, then SIGKILL)."""
+    return ["prlimit", f"--cpu={cpu_s}:{cpu_s + 1}", f"--as={as_bytes}", f"--fsize={fsize_bytes}",
+            f"--nofile={nofile}", f"--nproc={nproc}", "--core=0", "--"]
+
+
+def bwrap_command(box: str, argv: list[str], *, uid: Optional[int], limits: list[str], network: bool,
+                  tmp_bytes: int) -> list[str]:
+    """The full command: bwrap, then (as root) setpriv to `uid`, then prlimit `limits`, then `argv`."""
+    args = [shutil.which("bwrap") or "bwrap", "--die-with-parent", "--new-session", "--clearenv"]
+    args += _namespaces(network) + _system_mounts() + _readonly_binds(_python_roots())
+    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
+    args += ["--bind", box, SANDBOX_DIR, "--chdir", SANDBOX_DIR]
+    for key, value in ENV.items():
+        args += ["--setenv", key, value]
+    args.append("--")
+    if uid is not None:
+        args += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
+                 "--bounding-set=-all", "--"]
+    return args + limits + argv
+
+
+def prepare_box(box: Path, uid: Optional[int]) -> None:
+    """The working dir, owned by the sandbox's uid (root's files there would be read-only to it)."""
+    box.mkdir(mode=0o700)
+    if uid is not None:
+        os.chown(box, uid, uid)
+
+
+def nproc_for(limit: int) -> int:
+    """RLIMIT_NPROC for a run: its own count as root (fresh uid), else on top of this user's processes."""
+    return limit if is_root() else user_process_count() + limit
+
+
+@functools.lru_cache(maxsize=1)
+def bwrap_problem() -> Optional[str]:
+    """None when bwrap isolates here, else the one-line reason (probed once per process)."""
+    missing = [tool for tool in ("bwrap", "prlimit") + (("setpriv",) if is_root() else ()) if not shutil.which(tool)]
+    if missing:
+        return f"{', '.join(missing)} not found, so model-written code cannot be isolated; {INSTALL_HINT} {OPT_OUT}"
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="sao-sandbox-probe-") as tmp:
+        uid = pick_uid()
+        box = Path(tmp) / "box"
+        prepare_box(box, uid)
+        cmd = bwrap_command(str(box), ["/usr/bin/true"], uid=uid, network=False, tmp_bytes=1 << 20,
+                            limits=rlimit_args(5, 1 << 30, 1 << 20, 64, nproc_for(8)))
+        try:
+            proc = subprocess.run(cmd, capture_output=True, timeout=60, env=ENV, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"bwrap did not run ({exc}); {OPT_OUT}"
+    if proc.returncode != 0:
+        err = (proc.stderr.decode(errors="replace").strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        return f"bwrap cannot create the sandbox here ({err}); {OPT_OUT}"
+    return None
+
+
+def require_bwrap() -> None:
+    """Raise SandboxUnavailable (one line naming rollout.sandbox) unless bwrap isolates here."""
+    problem = bwrap_problem()
+    if problem:
+        raise SandboxUnavailable(problem)
+
+
+def mib(n: float) -> int:
+    return int(math.ceil(n * 1024 * 1024))
