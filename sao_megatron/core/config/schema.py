@@ -150,6 +150,10 @@ class RolloutConfig:
     reward_fn: str = doc("", "Reward function import path 'pkg.mod:fn'; '' = the task's own.")
     reward_timeout_s: float = doc(10.0, "Timeout of one reward call; a timeout marks the sample failed.",
                                   bounds="(0, 86400]")
+    sandbox: Literal["bwrap", "unsafe-no-isolation"] = doc(
+        "bwrap", "How model-written code (code rewards, the python tool) is isolated: bwrap (bubblewrap: own "
+                 "namespaces, read-only system, rlimits; refuses to run where bwrap is missing) or "
+                 "unsafe-no-isolation (a subprocess with rlimits and an in-process guard only, which code can undo).")
     max_failed_in_a_row: int = doc(0, "Samples failing one after another (every engine attempt, or the reward) "
                                       "before the run stops naming the cause; 0 = 2 x max_in_flight.", bounds=">= 0")
     engine_down_timeout_s: float = doc(60.0, "Every engine unreachable this long stops the run with an error.",
