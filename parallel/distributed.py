@@ -10,11 +10,14 @@
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import multiprocessing as mp
 import os
 import queue
+import signal
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -151,6 +154,7 @@ def comm_device() -> torch.device:
 
 
 def _rank_main(fn, rank, world_size, port, backend, args, results) -> None:
+    os.setpgid(0, 0)   # a group of its own: run_distributed_test kills the rank with whatever it started
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
@@ -184,13 +188,29 @@ def run_distributed_test(fn: Callable[..., Any], world_size: int = 2, backend: s
              for r in range(world_size)]
     for proc in procs:
         proc.start()
+    finished = False
     try:
-        return _collect(procs, results, world_size, timeout_s)
+        outputs = _collect(procs, results, world_size, timeout_s)
+        finished = True
+        return outputs
     finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(timeout=10)
+        _end_ranks(procs, grace_s=30.0 if finished else 0.0)
+
+
+def _end_ranks(procs, grace_s: float) -> None:
+    """Let each rank that reported exit by itself first: its exit shuts down what it started (Megatron's
+    checkpoint writer starts a spawn Manager per rank, whose server a killed rank leaves running,
+    keeping the spawn resource tracker alive with it). Then kill each rank's process group, which
+    holds anything still running."""
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():   # also one killed before it made its group
+            proc.kill()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.join(timeout=10)
 
 
 def _collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
