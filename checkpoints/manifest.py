@@ -37,9 +37,24 @@ def read_manifest(path: Path, fallback: str) -> dict:
     if not path.is_file():
         raise CheckpointCorruptError(f"{path} is missing (incomplete checkpoint){fallback}")
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointCorruptError(f"{path} is not valid JSON ({err}){fallback}") from err
+    if not isinstance(data, dict):
+        raise CheckpointCorruptError(f"{path} is not a manifest (a JSON object){fallback}")
+    return data
+
+
+def check_sizes(directory: Path, files: dict, fallback: str) -> None:
+    """Every listed file is there with its manifest size (a stat each: cheap enough for every rank to
+    check all of them; the checksums are split across ranks)."""
+    for name, info in sorted(files.items()):
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointCorruptError(f"checkpoint file {path} is missing{fallback}")
+        if path.stat().st_size != info["bytes"]:
+            raise CheckpointCorruptError(f"checkpoint file {path} is truncated or padded: {path.stat().st_size} "
+                                         f"bytes, manifest says {info['bytes']}{fallback}")
 
 
 def verify_files(directory: Path, files: dict, fallback: str) -> None:

@@ -33,7 +33,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .manifest import (CheckpointCorruptError, describe_files, read_manifest, verify_files,
+from .manifest import (CheckpointCorruptError, check_sizes, describe_files, read_manifest, verify_files,
                        write_json_durably)
 
 LATEST = "latest"
@@ -168,6 +168,63 @@ class RunCheckpointer:
         verify_files(ckpt, own["files"], fallback)
         shared_files = sorted(top.get("distributed_files", {}))   # each rank checksums its share of them
         verify_files(ckpt, {n: top["distributed_files"][n] for n in shared_files[self.rank::self.world_size]}, fallback)
+        return top
+
+    # ------------------------------------------------------------------ resume choice
+    def choose(self, resume: str) -> tuple[Optional[Path], list[str]]:
+        """The checkpoint `resume` names ('auto', 'never' or a path), verified whole before any model is
+        built: (path or None, one line per newer checkpoint skipped). 'auto' takes the newest that
+        verifies; an explicit path that fails raises CheckpointCorruptError naming the file."""
+        if resume == "never":
+            return None, []
+        if resume != "auto":
+            self.verify_whole(Path(resume), self._fallback_hint(Path(resume)))
+            return Path(resume), []
+        skipped = []
+        for ckpt in self._candidates():
+            try:
+                self.verify_whole(ckpt)
+                return ckpt, skipped
+            except CheckpointCorruptError as err:
+                skipped.append(f"{ckpt.name} ({err})")
+        if skipped:
+            raise CheckpointCorruptError(f"no checkpoint in {self.root} verifies: {'; '.join(skipped)}; fix: "
+                                         "restore one, or start over with checkpoint.resume=never")
+        return None, []
+
+    def _candidates(self) -> list[Path]:
+        """Every step_* directory, newest first (one without a manifest too: it fails verification)."""
+        if not self.root.is_dir():
+            return []
+        return sorted((p for p in self.root.glob(f"{PREFIX}*") if p.is_dir()), key=lambda p: p.name, reverse=True)
+
+    def verify_whole(self, ckpt: Path, fallback: str = "") -> dict:
+        """Every file of every rank there with its manifest size; this rank checksums its share of them.
+        All ranks agree on the outcome, so none builds models for a checkpoint another rank refused."""
+        error, top = None, None
+        try:
+            top = self._verify_whole_here(ckpt, fallback)
+        except CheckpointCorruptError as err:
+            error = err
+        failed = self._ranks_failed(error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            raise CheckpointCorruptError(f"{ckpt} failed verification on rank(s) {failed}{fallback}")
+        return top
+
+    def _verify_whole_here(self, ckpt: Path, fallback: str) -> dict:
+        top = read_manifest(ckpt / "manifest.json", fallback)
+        lacking = [k for k in ("world_size", "components", "rank_manifests") if k not in top]
+        if lacking:
+            raise CheckpointCorruptError(f"{ckpt / 'manifest.json'} lacks {lacking}{fallback}")
+        verify_files(ckpt, top["rank_manifests"], fallback)
+        files = dict(top.get("distributed_files", {}))
+        for name in sorted(top["rank_manifests"]):
+            files.update(read_manifest(ckpt / name, fallback).get("files", {}))
+        check_sizes(ckpt, files, fallback)
+        names = sorted(files)[self.rank::self.world_size]
+        verify_files(ckpt, {n: files[n] for n in names}, fallback)
         return top
 
     def _ranks_failed(self, failed_here: bool) -> list[int]:

@@ -1,11 +1,12 @@
 """Run checkpoints from the loop's side: what a checkpoint holds, when one is due, and the resume."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Optional
 
-from sao_megatron.core.config import Recipe
+from sao_megatron.core.config import ConfigError, Recipe
 
 
 class Checkpoints:
@@ -39,6 +40,28 @@ class Checkpoints:
 
         # With several ranks a signal may reach only some of them: agree, so all stop at the same step.
         return should_checkpoint_and_exit(sync=self.world_size > 1)
+
+
+def resolve_resume(recipe: Recipe, rank: int, world_size: int) -> Recipe:
+    """Verify the checkpoint to resume from before any model is built: the recipe comes back with
+    checkpoint.resume set to the verified directory (or 'never' when there is none). With 'auto' a newer
+    checkpoint that fails verification is skipped for the previous good one, saying which and why in one
+    line; a named one that fails, or no good one at all, is a one-line error (exit 2)."""
+    from checkpoints.run_state import CheckpointCorruptError, RunCheckpointer
+
+    cfg = recipe.checkpoint
+    checkpointer = RunCheckpointer(recipe.run_dir / "checkpoints", keep_last=cfg.keep_last, rank=rank,
+                                   world_size=world_size)
+    try:
+        chosen, skipped = checkpointer.choose(cfg.resume)
+    except CheckpointCorruptError as err:
+        problem, _, fix = str(err).partition("; fix: ")
+        raise ConfigError("checkpoint.resume", problem, fix or "start over with checkpoint.resume=never") from None
+    if skipped and rank == 0:
+        print(f"checkpoint.resume=auto: skipped {'; '.join(skipped)}; resuming from {chosen.name}, the newest "
+              "checkpoint that verifies", file=sys.stderr)
+    resume = str(chosen) if chosen is not None else "never"
+    return dataclasses.replace(recipe, checkpoint=dataclasses.replace(cfg, resume=resume))
 
 
 def checkpoint_parts(components, state) -> dict:

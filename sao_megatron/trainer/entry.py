@@ -72,6 +72,9 @@ def run_rank(recipe: Recipe) -> int:
 
     single_process_port()
     env = init_distributed("auto")
+    from .checkpointing import resolve_resume
+
+    recipe = resolve_resume(recipe, env.rank, env.world_size)   # verified before any model is built
     from .stopping import CollectionStopped
 
     try:
