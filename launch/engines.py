@@ -23,8 +23,9 @@ from sao_megatron.core.processes import pid_alive
 
 ENGINE_PORT = 30000      # first engine port on a rollout node
 DIST_INIT_PORT = 29600   # SGLang multi-node rendezvous port (+ engine index)
-API_KEY_VAR = "SAO_API_KEY"
-_API_KEY_MARK = "@@SAO_API_KEY@@"
+API_KEY_VAR = "SAO_API_KEY"             # the key reaches engines and trainer in the environment only
+OPTIONS_VAR = "SAO_ENGINE_OPTIONS"       # SGLang's --config file holding the key (rollout_node_script)
+_OPTIONS_MARK = "@@SAO_ENGINE_OPTIONS@@"
 
 
 @dataclass(frozen=True)
@@ -66,11 +67,12 @@ def engine_heads(slots: list[EngineSlot]) -> list[EngineSlot]:
 
 
 def engine_command(recipe, slot: EngineSlot, head_host: str = "$HEAD_HOST") -> list[str]:
-    """argv of one engine process; the API key is a placeholder the script fills from $SAO_API_KEY."""
+    """argv of one engine process, without the API key (`ps` shows argv): `sao serve` reads $SAO_API_KEY,
+    SGLang reads the --config file $SAO_ENGINE_OPTIONS that the node script writes from it."""
     python = recipe.launch.python
     if recipe.rollout.engine == "reference":
         return [python, "-m", "sao_megatron.cli.main", "serve", "--model", recipe.model.path, "--host", "0.0.0.0",
-                "--port", str(slot.port), "--api-key", _API_KEY_MARK, "--seed", str(recipe.run.seed + slot.engine),
+                "--port", str(slot.port), "--seed", str(recipe.run.seed + slot.engine),
                 "--tp", str(recipe.rollout.engine_tp)]   # weight-update ranks, as the trainer counts them
     from rollout.sglang_launcher import SGLangArgs, build_sglang_command
 
@@ -79,7 +81,7 @@ def engine_command(recipe, slot: EngineSlot, head_host: str = "$HEAD_HOST") -> l
     if slot.nnodes > 1:
         extra = ("--nnodes", str(slot.nnodes), "--node-rank", str(slot.node_rank),
                  "--dist-init-addr", f"{head_host}:{DIST_INIT_PORT + slot.engine}")
-    args = SGLangArgs(model_path=recipe.model.path, host="0.0.0.0", port=slot.port, api_key=_API_KEY_MARK,
+    args = SGLangArgs(model_path=recipe.model.path, host="0.0.0.0", port=slot.port, api_key_config=_OPTIONS_MARK,
                       tp=roll.engine_tp, ep=roll.engine_ep, dp_attention=roll.engine_dp_attention,
                       fp8=roll.engine_fp8, mem_fraction=roll.mem_fraction, base_gpu_id=slot.base_gpu,
                       seed=recipe.run.seed + slot.engine, extra=extra)
@@ -89,14 +91,24 @@ def engine_command(recipe, slot: EngineSlot, head_host: str = "$HEAD_HOST") -> l
         raise ConfigError("rollout", str(err), "fix the engine sizes in [rollout]") from None
 
 
+def write_options_lines(python: str) -> list[str]:
+    """Shell lines writing SGLang's options file from $SAO_API_KEY (environment in, 0600 file out)."""
+    import shlex
+
+    code = f'import json, os; print(json.dumps({{"api-key": os.environ["{API_KEY_VAR}"]}}))'
+    return [f'{OPTIONS_VAR}="$(mktemp --suffix=.yaml)"  # 0600; SGLang reads the key from it (--config)',
+            f'trap \'rm -f "${OPTIONS_VAR}"\' EXIT',
+            f'{shlex.quote(python)} -c {shlex.quote(code)} > "${OPTIONS_VAR}"']
+
+
 def shell_join(argv: list[str]) -> str:
-    """shlex-quote argv; the API-key mark becomes "$SAO_API_KEY" and $HEAD_HOST stays a variable."""
+    """shlex-quote argv; the options-file mark becomes "$SAO_ENGINE_OPTIONS" and $HEAD_HOST stays a variable."""
     import shlex
 
     out = []
     for arg in argv:
-        if arg == _API_KEY_MARK:
-            out.append(f'"${API_KEY_VAR}"')
+        if arg == _OPTIONS_MARK:
+            out.append(f'"${OPTIONS_VAR}"')
         elif "$HEAD_HOST" in arg:
             out.append('"' + arg.replace('"', '\\"') + '"')
         else:

@@ -20,7 +20,7 @@ from pathlib import Path
 from checkpoints.arch import load_recipe
 from sao_megatron.core.config import ConfigError
 
-from .engines import API_KEY_VAR, engine_command, engine_heads, engine_slots, shell_join
+from .engines import API_KEY_VAR, engine_command, engine_heads, engine_slots, shell_join, write_options_lines
 
 DEFAULT_TRAIN_COMMAND = "{python} -m sao_megatron.cli.main train {recipe} {overrides}"
 ENGINE_START_TIMEOUT_S = {True: 3600, False: 600}  # GPU engines load hundreds of GB; CPU ones a tiny model
@@ -218,6 +218,8 @@ def rollout_node_script(recipe, node: int) -> str:
     slots = [s for s in engine_slots(recipe) if s.node == node]
     lines = ["#!/bin/bash", f"# Engines of rollout node {node}, rendered by `sao launch`. $1 = head host of a multi-node engine.",
              "set -uo pipefail", 'HEAD_HOST="${1:-$(hostname)}"']
+    if recipe.rollout.engine != "reference":   # `sao serve` reads $SAO_API_KEY itself
+        lines += write_options_lines(recipe.launch.python)
     lines += [f"{shell_join(engine_command(recipe, slot))} &" for slot in slots]
     lines += ["wait -n; rc=$?",
               'echo "rollout node: an engine exited with code $rc; stopping the others" >&2',
@@ -227,8 +229,7 @@ def rollout_node_script(recipe, node: int) -> str:
 
 def train_argv(recipe, job: JobLayout, paths: JobPaths, template: str) -> str:
     """The trainer command with {python}, {recipe} and {overrides} filled (overrides: engine URLs)."""
-    overrides = "" if job.colocated else \
-        f'"rollout.engine_urls=$ENGINE_URLS_TOML" "rollout.api_key=\'${API_KEY_VAR}\'"'
+    overrides = "" if job.colocated else '"rollout.engine_urls=$ENGINE_URLS_TOML"'   # the key: $SAO_API_KEY
     return template.format(python=shlex.quote(recipe.launch.python), recipe=shlex.quote(str(paths.recipe)),
                            overrides=overrides).strip()
 

@@ -11,6 +11,7 @@ group in SGLang).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -30,7 +31,8 @@ class SGLangArgs:
     model_path: str
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: str = ""
+    api_key: str = ""              # written to api_key_config by launch_sglang, never put on the argv
+    api_key_config: str = ""       # YAML file SGLang reads with --config: the key stays out of `ps`
     tp: int = 1
     ep: int = 1
     dp_attention: int = 0          # 0 = off; else the attention data-parallel size (--attn-dp-size)
@@ -55,7 +57,8 @@ def check_args(a: SGLangArgs) -> None:
 
 
 def build_sglang_command(a: SGLangArgs, python: str = sys.executable) -> list[str]:
-    """The argv of one SGLang server. The API key travels in the argv (SGLang reads it only there)."""
+    """The argv of one SGLang server. The API key is NOT in it (`ps` shows every argv): SGLang reads it
+    from the ``--config`` YAML file ``api_key_config`` (write_key_config makes one, mode 0600)."""
     check_args(a)
     cmd = [python, "-m", "sglang.launch_server",
            "--model-path", a.model_path, "--host", a.host, "--port", str(a.port),
@@ -68,8 +71,11 @@ def build_sglang_command(a: SGLangArgs, python: str = sys.executable) -> list[st
         cmd += ["--attn-dp-size", str(a.dp_attention)]
     if a.fp8:
         cmd += ["--quantization", "fp8"]
-    if a.api_key:
-        cmd += ["--api-key", a.api_key]
+    if a.api_key and not a.api_key_config:
+        raise ValueError("an SGLang api key travels in a --config file, not the command line; "
+                         "set api_key_config (write_key_config writes one)")
+    if a.api_key_config:
+        cmd += ["--config", a.api_key_config]   # SGLang's YAML options file (server_args.py --config)
     if a.seed is not None:
         cmd += ["--random-seed", str(a.seed)]
     return cmd + list(a.extra)
@@ -81,6 +87,17 @@ def args_from_recipe(recipe, index: int, port: int, api_key: str) -> SGLangArgs:
                       tp=r.engine_tp, ep=r.engine_ep, dp_attention=r.engine_dp_attention, fp8=r.engine_fp8,
                       mem_fraction=r.mem_fraction, base_gpu_id=index * r.engine_tp,
                       seed=getattr(recipe.run, "seed", None))
+
+
+def write_key_config(path: str | Path, api_key: str) -> Path:
+    """The YAML options file (JSON is YAML) holding only ``api-key``, readable by this user alone."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)    # an existing file keeps its mode through O_CREAT: narrow it before writing
+    with os.fdopen(fd, "w") as out:
+        out.write(json.dumps({"api-key": api_key}) + "\n")
+    return path
 
 
 @dataclass
@@ -123,6 +140,8 @@ def launch_sglang(recipe, index: int, port: int, api_key: str, log_path: str | P
     args = args_from_recipe(recipe, index, port or free_port(recipe.rollout.host), api_key)
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    if api_key:
+        args.api_key_config = str(write_key_config(log_path.with_name(log_path.stem + "_options.yaml"), api_key))
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(build_sglang_command(args), stdout=log_file, stderr=subprocess.STDOUT,
                                    start_new_session=True)

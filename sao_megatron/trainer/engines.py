@@ -3,6 +3,7 @@ and one client per engine, the same for the rollout driver and every stage's wei
 from __future__ import annotations
 
 import json
+import os
 import secrets
 from pathlib import Path
 
@@ -12,7 +13,9 @@ from sao_megatron.core.config import Recipe
 async def start_engines(recipe: Recipe, run_dir: Path):
     """Connect to recipe.rollout.engine_urls, or start num_engines local engines. Returns (engines, handles)."""
     rollout = recipe.rollout
-    api_key = rollout.api_key or secrets.token_hex(16)
+    # $SAO_API_KEY first: a rendered sbatch script hands the key to engines and trainer in the
+    # environment only (never on a command line, where `ps` shows it)
+    api_key = os.environ.get("SAO_API_KEY") or rollout.api_key or secrets.token_hex(16)
     handles = []
     urls = list(rollout.engine_urls)
     if not urls:

@@ -63,7 +63,10 @@ def test_750b_engine_spans_8_nodes_with_sglang_multinode_flags():
     node3 = rollout_node_script(recipe, 3)
     assert "--tp-size 64 --ep-size 64" in node3 and "--attn-dp-size 64" in node3 and "--quantization fp8" in node3
     assert "--nnodes 8 --node-rank 3" in node3 and '--dist-init-addr "$HEAD_HOST:29600"' in node3
-    assert "--enable-return-routed-experts" in node3 and '--api-key "$SAO_API_KEY"' in node3
+    assert "--enable-return-routed-experts" in node3 and '--config "$SAO_ENGINE_OPTIONS"' in node3
+    assert "--api-key" not in node3   # the key is read from a 0600 file written from the environment
+    assert 'os.environ["SAO_API_KEY"]' in node3 and 'SAO_ENGINE_OPTIONS="$(mktemp --suffix=.yaml)"' in node3
+    subprocess.run(["bash", "-n"], input=node3, text=True, check=True)
 
 
 def test_qwen_node_runs_two_4_gpu_engines_side_by_side():
@@ -109,6 +112,7 @@ def test_cpu_rollout_node_runs_the_reference_server(cpu_recipe):
     node0 = rollout_node_script(recipe, 0)
     assert "sao_megatron.cli.main serve --model models/tiny --host 0.0.0.0 --port 30000" in node0
     assert "--tp 1 &" in node0
+    assert "--api-key" not in node0 and "SAO_API_KEY" not in node0   # `sao serve` reads $SAO_API_KEY itself
     wide = load_launch_recipe(cpu_recipe, nodes=2, overrides=["launch.rollout_nodes=1", "rollout.engine_tp=2"])
     # the server joins the weight-update group as as many ranks as the trainer counts for it
     assert "--tp 2 &" in rollout_node_script(wide, 0)
