@@ -14,7 +14,11 @@ SLURM_PROCID = 0), then slurm.
 `export_torch_env` writes the torchrun variables, so code after the bootstrap reads one convention.
 `python -m launch.bootstrap -- CMD ...` does that and execs CMD (what the sbatch script runs on each
 trainer rank); `python -m launch.bootstrap --check` joins a gloo group and all-reduces the ranks, a
-one-line cluster smoke test.
+one-line cluster smoke test; `python -m launch.bootstrap --bind-address` prints the node's name and the
+address its servers listen on (sao_megatron/core/binding.py: SAO_BIND_ADDR, SAO_INTERFACE, else the node's name).
+
+Binding: the bootstrap exports SAO_BIND_ADDR and, unless set, GLOO_SOCKET_IFNAME (the interface of
+that address), so gloo's sockets and our TCPStores listen on the configured interface, never on all.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import sys
 from dataclasses import dataclass
 from typing import Mapping
 
+from sao_megatron.core.binding import BIND_ADDR_VAR, INTERFACE_VAR, bind_address, bound_store, interface_of
 from sao_megatron.core.ports import free_port
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -150,18 +155,22 @@ def _broadcast_endpoint(addr: str | None, port: int) -> tuple[str, int]:
     world = _mpi().COMM_WORLD
     endpoint = None
     if world.Get_rank() == 0:
-        host = addr or _my_address()
-        endpoint = (host, port or free_port(""))   # every interface: other nodes connect to it
+        host = addr or bind_address()
+        endpoint = (host, port or free_port(host))   # the configured interface: other nodes connect to it
     return tuple(world.bcast(endpoint, root=0))
 
 
-def _my_address() -> str:
-    """This host's address as other nodes reach it (falls back to loopback on a machine without DNS)."""
-    name = socket.gethostname()
-    try:
-        return socket.gethostbyname(name)
-    except OSError:
-        return "127.0.0.1"
+def export_binding(env: dict | None = None) -> dict:
+    """SAO_BIND_ADDR (this node's address on the configured interface) and GLOO_SOCKET_IFNAME /
+    NCCL_SOCKET_IFNAME (its interface) unless the user set them: what gloo, NCCL and our stores bind."""
+    env = os.environ if env is None else env
+    addr = bind_address(env)
+    env[BIND_ADDR_VAR] = addr
+    iface = env.get(INTERFACE_VAR) or interface_of(addr)
+    if iface:
+        env.setdefault("GLOO_SOCKET_IFNAME", iface)
+        env.setdefault("NCCL_SOCKET_IFNAME", iface)
+    return env
 
 
 def export_torch_env(info: RankInfo, addr: str, port: int, env: dict | None = None) -> dict:
@@ -177,6 +186,7 @@ def bootstrap_env() -> RankInfo:
     info = discover()
     addr, port = master_endpoint(info)
     export_torch_env(info, addr, port)
+    export_binding()
     return info
 
 
@@ -192,7 +202,10 @@ def init_process_group(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(info.local_rank)
-    dist.init_process_group(backend, init_method="env://", rank=info.rank, world_size=info.world_size,
+    # our store, not env://'s: rank 0's listens on MASTER_ADDR alone, not on every interface
+    store = bound_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.world_size,
+                        info.rank == 0, timeout_s)
+    dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     return info
 
@@ -222,6 +235,17 @@ def check(timeout_s: float = 120.0) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(argv)
+    except (RuntimeError, ValueError) as err:   # a launcher or interface problem: one line, no traceback
+        print(f"launch.bootstrap: {err}", file=sys.stderr)
+        return 1
+
+
+def _main(argv: list[str]) -> int:
+    if argv[:1] == ["--bind-address"]:   # "NODE ADDRESS": the sbatch script maps node names to addresses
+        print(os.environ.get("SLURMD_NODENAME") or socket.gethostname(), bind_address(), flush=True)
+        return 0
     if argv[:1] == ["--check"]:
         result = check()
         _finalize_mpi_if_started()
@@ -229,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if result["ok"] else 1
     command = argv[1:] if argv[:1] == ["--"] else argv
     if not command:
-        print("usage: python -m launch.bootstrap [--check | -- CMD ARGS...]", file=sys.stderr)
+        print("usage: python -m launch.bootstrap [--check | --bind-address | -- CMD ARGS...]", file=sys.stderr)
         return 2
     bootstrap_env()
     _finalize_mpi_if_started()

@@ -71,7 +71,7 @@ def engine_command(recipe, slot: EngineSlot, head_host: str = "$HEAD_HOST") -> l
     SGLang reads the --config file $SAO_ENGINE_OPTIONS that the node script writes from it."""
     python = recipe.launch.python
     if recipe.rollout.engine == "reference":
-        return [python, "-m", "sao_megatron.cli.main", "serve", "--model", recipe.model.path, "--host", "0.0.0.0",
+        return [python, "-m", "sao_megatron.cli.main", "serve", "--model", recipe.model.path, "--host", "$ENGINE_HOST",
                 "--port", str(slot.port), "--seed", str(recipe.run.seed + slot.engine),
                 "--tp", str(recipe.rollout.engine_tp)]   # weight-update ranks, as the trainer counts them
     from rollout.sglang_launcher import SGLangArgs, build_sglang_command
@@ -81,7 +81,7 @@ def engine_command(recipe, slot: EngineSlot, head_host: str = "$HEAD_HOST") -> l
     if slot.nnodes > 1:
         extra = ("--nnodes", str(slot.nnodes), "--node-rank", str(slot.node_rank),
                  "--dist-init-addr", f"{head_host}:{DIST_INIT_PORT + slot.engine}")
-    args = SGLangArgs(model_path=recipe.model.path, host="0.0.0.0", port=slot.port, api_key_config=_OPTIONS_MARK,
+    args = SGLangArgs(model_path=recipe.model.path, host="$ENGINE_HOST", port=slot.port, api_key_config=_OPTIONS_MARK,
                       tp=roll.engine_tp, ep=roll.engine_ep, dp_attention=roll.engine_dp_attention,
                       fp8=roll.engine_fp8, mem_fraction=roll.mem_fraction, base_gpu_id=slot.base_gpu,
                       seed=recipe.run.seed + slot.engine, extra=extra)
@@ -109,7 +109,7 @@ def shell_join(argv: list[str]) -> str:
     for arg in argv:
         if arg == _OPTIONS_MARK:
             out.append(f'"${OPTIONS_VAR}"')
-        elif "$HEAD_HOST" in arg:
+        elif "$HEAD_HOST" in arg or arg == "$ENGINE_HOST":   # variables of the node script
             out.append('"' + arg.replace('"', '\\"') + '"')
         else:
             out.append(shlex.quote(arg))

@@ -89,8 +89,8 @@ def render_script(recipe, paths: JobPaths, train_command: str = DEFAULT_TRAIN_CO
     """The whole sbatch script, as text."""
     job = job_layout(recipe)
     sections = [_header(recipe, job, paths), _environment(recipe, job, paths), _node_split(job),
-                _preemption(recipe), _engines(recipe, job, paths), _trainer(recipe, job, paths, train_command),
-                _finish(recipe)]
+                _addresses(recipe, job), _preemption(recipe), _engines(recipe, job, paths),
+                _trainer(recipe, job, paths, train_command), _finish(recipe)]
     return "\n".join(line for section in sections for line in section) + "\n"
 
 
@@ -155,9 +155,26 @@ def _node_split(job: JobLayout) -> list[str]:
             f'ROLLOUT_NODES=("${{NODES[@]:0:{job.rollout_nodes}}}")',
             f'TRAINER_NODES=("${{NODES[@]:{job.rollout_nodes}}}")',
             'TRAINER_HOSTS="$(IFS=,; echo "${TRAINER_NODES[*]}")"',
-            'export MASTER_ADDR="${TRAINER_NODES[0]}"',
-            "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
             'echo "sao launch: job $SLURM_JOB_ID trainer nodes ${TRAINER_NODES[*]} rollout nodes ${ROLLOUT_NODES[*]:-(colocated)}"',
+            ""]
+
+
+def _addresses(recipe, job: JobLayout) -> list[str]:
+    """One srun step asks every node for its address on the configured interface (SAO_INTERFACE in
+    launch.env, else the address its name resolves to): the trainer's store and the engines listen
+    there and nowhere else, and everyone reaches them there."""
+    python = shlex.quote(recipe.launch.python)
+    return ["# --- addresses: each node's address on the configured interface (launch/bootstrap.py --bind-address)",
+            f"ADDRESSES=\"$({_srun_prefix(recipe, job)} --nodes={job.nodes} --ntasks-per-node=1 "
+            f"{python} -m launch.bootstrap --bind-address)\"",
+            "declare -A ADDR_OF",
+            'while read -r node addr; do ADDR_OF[$node]="$addr"; done <<< "$ADDRESSES"',
+            'for node in "${NODES[@]}"; do',
+            '  [ -n "${ADDR_OF[$node]:-}" ] || { echo "sao launch: node $node reported no address" >&2; exit 1; }',
+            "done",
+            'export MASTER_ADDR="${ADDR_OF[${TRAINER_NODES[0]}]}"',
+            "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
+            'echo "sao launch: addresses $(for n in "${NODES[@]}"; do printf \'%s=%s \' "$n" "${ADDR_OF[$n]}"; done)"',
             ""]
 
 
@@ -200,12 +217,13 @@ def _engines(recipe, job: JobLayout, paths: JobPaths) -> list[str]:
              f"for i in $(seq 0 {job.rollout_nodes - 1}); do",
              f'  {_srun_prefix(recipe, job)} --nodes=1 --ntasks=1 --nodelist="${{ROLLOUT_NODES[$i]}}" \\',
              f'    --output={logs}/engines_node"$i"-%j.log \\',
-             f'    bash {scripts}/rollout_node_"$i".sh "${{ROLLOUT_NODES[${{HEAD_OF_NODE[$i]}}]}}" &',
+             f'    bash {scripts}/rollout_node_"$i".sh "${{ADDR_OF[${{ROLLOUT_NODES[${{HEAD_OF_NODE[$i]}}]}}]}}" '
+             '"${ADDR_OF[${ROLLOUT_NODES[$i]}]}" &',
              '  ENGINE_PIDS+=("$!")',
              "done",
              "ENGINE_URLS=()"]
     for slot in engine_heads(slots):
-        lines.append(f'ENGINE_URLS+=("http://${{ROLLOUT_NODES[{slot.head_node}]}}:{slot.port}")')
+        lines.append(f'ENGINE_URLS+=("http://${{ADDR_OF[${{ROLLOUT_NODES[{slot.head_node}]}}]}}:{slot.port}")')
     timeout = ENGINE_START_TIMEOUT_S[bool(job.gpus_per_node)]
     lines += [f'{python} -m launch.engines wait --timeout {timeout} --watch-pids "${{ENGINE_PIDS[*]}}" '
               '"${ENGINE_URLS[@]}"',
@@ -216,8 +234,9 @@ def _engines(recipe, job: JobLayout, paths: JobPaths) -> list[str]:
 def rollout_node_script(recipe, node: int) -> str:
     """The script one rollout node runs: its engines side by side; any engine exiting ends the step."""
     slots = [s for s in engine_slots(recipe) if s.node == node]
-    lines = ["#!/bin/bash", f"# Engines of rollout node {node}, rendered by `sao launch`. $1 = head host of a multi-node engine.",
-             "set -uo pipefail", 'HEAD_HOST="${1:-$(hostname)}"']
+    lines = ["#!/bin/bash", f"# Engines of rollout node {node}, rendered by `sao launch`. $1 = head address of a "
+             "multi-node engine, $2 = this node's address (the engines listen there alone).",
+             "set -uo pipefail", 'HEAD_HOST="${1:-$(hostname)}"', 'ENGINE_HOST="${2:-127.0.0.1}"']
     if recipe.rollout.engine != "reference":   # `sao serve` reads $SAO_API_KEY itself
         lines += write_options_lines(recipe.launch.python)
     lines += [f"{shell_join(engine_command(recipe, slot))} &" for slot in slots]

@@ -52,7 +52,7 @@ def test_750b_script_splits_40_nodes_and_keeps_hyperparameters_out_of_bash(tmp_p
                  "#SBATCH --signal=B:USR1@900", "#SBATCH --time=48:00:00", 'ROLLOUT_NODES=("${NODES[@]:0:8}")',
                  "--nodes=32 --ntasks-per-node=8", "export SGLANG_NSA_FORCE_MLA=1", "export CUDA_DEVICE_MAX_CONNECTIONS=1"):
         assert line in script
-    assert 'ENGINE_URLS+=("http://${ROLLOUT_NODES[0]}:30000")' in script and script.count("ENGINE_URLS+=") == 1
+    assert 'ENGINE_URLS+=("http://${ADDR_OF[${ROLLOUT_NODES[0]}]}:30000")' in script and script.count("ENGINE_URLS+=") == 1
     for hyper in ("lr", "1e-06", "eps_", "batch_size", "micro_batch", "16384", "tp-size"):
         assert hyper not in script
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
@@ -110,7 +110,8 @@ def test_cpu_recipe_is_colocated_without_gpu_requests(cpu_recipe, tmp_path):
 def test_cpu_rollout_node_runs_the_reference_server(cpu_recipe):
     recipe = load_launch_recipe(cpu_recipe, nodes=2, overrides=["launch.rollout_nodes=1"])
     node0 = rollout_node_script(recipe, 0)
-    assert "sao_megatron.cli.main serve --model models/tiny --host 0.0.0.0 --port 30000" in node0
+    assert 'sao_megatron.cli.main serve --model models/tiny --host "$ENGINE_HOST" --port 30000' in node0
+    assert 'ENGINE_HOST="${2:-127.0.0.1}"' in node0 and "0.0.0.0" not in node0
     assert "--tp 1 &" in node0
     assert "--api-key" not in node0 and "SAO_API_KEY" not in node0   # `sao serve` reads $SAO_API_KEY itself
     wide = load_launch_recipe(cpu_recipe, nodes=2, overrides=["launch.rollout_nodes=1", "rollout.engine_tp=2"])
@@ -157,6 +158,9 @@ def test_sao_launch_console_script_entry(cpu_recipe, tmp_path, monkeypatch, caps
 # ------------------------------------------------------------------ the script's bash, with fake slurm
 
 FAKE_SRUN = """#!/bin/bash
+case "$*" in *--bind-address*)   # the addresses step: each node answers "NAME ADDRESS"
+  echo "address step $*" >> "$FAKE_LOG"; i=0; for n in $FAKE_NODES; do i=$((i + 1)); echo "$n 10.9.0.$i"; done; exit 0;;
+esac
 echo "srun $*" >> "$FAKE_LOG"
 SLEEP=
 trap 'echo "step got USR1" >> "$FAKE_LOG"; [ -n "$SLEEP" ] && kill "$SLEEP"; exit 0' USR1
@@ -186,6 +190,7 @@ def test_script_runs_the_trainer_step_and_returns_its_code(cpu_recipe, tmp_path)
     assert proc.returncode == 3
     log = (tmp_path / "fake.log").read_text()
     assert "--nodes=1 --ntasks-per-node=1 --nodelist=n1" in log and "-m launch.bootstrap -- python" in log
+    assert "address step" in log and "addresses n1=10.9.0.1" in proc.stdout   # MASTER_ADDR came from it
     assert "scontrol requeue" not in log
 
 
@@ -205,3 +210,15 @@ def test_usr1_is_forwarded_to_the_trainer_then_the_job_requeues(cpu_recipe, tmp_
     text = log.read_text()
     assert "step got USR1" in text and "scontrol requeue 42" in text
     assert "asking the trainer to checkpoint" in err
+
+
+def test_every_server_address_comes_from_the_nodes_bind_address_step(cpu_recipe, tmp_path):
+    """Issue 15.5: one srun step asks each node for its address on the configured interface; the
+    trainer's store (MASTER_ADDR), the engine URLs and the engines' --host all use it, never 0.0.0.0."""
+    recipe = load_launch_recipe(cpu_recipe, nodes=3, overrides=["launch.rollout_nodes=1", "parallel.world_size=2"])
+    script = render_script(recipe, _paths(tmp_path))
+    assert "--nodes=3 --ntasks-per-node=1" in script and "-m launch.bootstrap --bind-address)" in script
+    assert 'export MASTER_ADDR="${ADDR_OF[${TRAINER_NODES[0]}]}"' in script
+    assert 'ENGINE_URLS+=("http://${ADDR_OF[${ROLLOUT_NODES[0]}]}:30000")' in script
+    assert '"${ADDR_OF[${ROLLOUT_NODES[$i]}]}" &' in script   # the node's own address: its engines' --host
+    assert "0.0.0.0" not in script and "api_key" not in script
