@@ -158,6 +158,8 @@ class RolloutConfig:
                                       "before the run stops naming the cause; 0 = 2 x max_in_flight.", bounds=">= 0")
     engine_down_timeout_s: float = doc(60.0, "Every engine unreachable this long stops the run with an error.",
                                        bounds="> 0")
+    engine_restarts: int = doc(2, "Restarts of locally started engines that exit, per run (their requests are "
+                                  "re-issued); engines at engine_urls are not restarted.", bounds=">= 0")
 
     def check(self, p: str) -> None:
         _require(self.temperature > 0, f"{p}.temperature",
@@ -175,6 +177,7 @@ class RolloutConfig:
                  "use 0 (auto) or a positive count")
         _require(self.engine_down_timeout_s > 0, f"{p}.engine_down_timeout_s", f"{self.engine_down_timeout_s} <= 0",
                  "use e.g. 60")
+        _require(self.engine_restarts >= 0, f"{p}.engine_restarts", f"{self.engine_restarts} < 0", "use 0 (never) or more")
         _require(bool(self.task) or bool(self.dataset), f"{p}.dataset", "neither task nor dataset is set",
                  "set rollout.task (e.g. countdown) or rollout.dataset to a jsonl file")
         _require(self.env_switch_every >= 1, f"{p}.env_switch_every", "< 1", "use 1 or more steps")
