@@ -9,6 +9,8 @@ This is our own mapping rather than mbridge or megatron-bridge; docs/weights.md 
 """
 from __future__ import annotations
 
+import itertools
+from dataclasses import replace
 from typing import Iterator, Mapping, Sequence
 
 import torch
@@ -100,9 +102,10 @@ def holder(rule: Rule, spec: ArchSpec, layout: ShardLayout) -> tuple[int, int, i
     if rule.layer is None:
         first = rule.mcore.startswith("embedding.")
         return (0, 0, 0) if first else (layout.pp_size - 1, layout.vpp_size - 1, 0)
-    per_vstage = spec.num_layers // layout.vpp_size
-    per_chunk = per_vstage // layout.pp_size
-    return (rule.layer % per_vstage) // per_chunk, rule.layer // per_vstage, ep
+    for pp_rank, vp_stage in itertools.product(range(layout.pp_size), range(layout.vpp_size)):
+        if rule.layer in replace(layout, pp_rank=pp_rank).layer_range(spec.num_layers, vp_stage):
+            return pp_rank, vp_stage, ep
+    raise ValueError(f"layer {rule.layer} is outside the model's {spec.num_layers} layers")
 
 
 def iter_mcore_to_hf(shards: Mapping[ShardLayout, Sequence[Mapping[str, torch.Tensor]]],

@@ -5,10 +5,10 @@
   set). Vocabulary rows are padded to `padded_vocab_size` first (Megatron pads the vocabulary so each
   TP rank holds an equal slice).
 - EP: rank e holds global experts g = e*E/EP + j for local j in [0, E/EP).
-- PP/VPP (megatron.core.transformer.transformer_layer.get_transformer_layer_offset, even split): with
-  n = L/(pp*vpp) layers per chunk, virtual chunk v of pipeline rank p holds global layers
-  [v*L/vpp + p*n, v*L/vpp + (p+1)*n), numbered locally from 0. The embedding lives on (p=0, v=0),
-  the final norm and output layer on (p=pp-1, v=vpp-1).
+- PP/VPP (megatron.core.transformer.transformer_layer.get_transformer_layer_offset): virtual chunk v
+  of pipeline rank p holds the global layers `core.dims.layer_range` gives (an even split, or
+  Megatron's uneven last stage with `last_stage_layers`), numbered locally from 0. The embedding
+  lives on (p=0, v=0), the final norm and output layer on (p=pp-1, v=vpp-1).
 
 A ShardLayout is one rank's coordinates and slicing rules, not a second layout record: its sizes
 are checked by `dims()`, the ParallelDims of the smallest world holding these shards
@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Iterator
 
-from sao_megatron.core.dims import ParallelDims
+from sao_megatron.core.dims import ParallelDims, layer_range
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class ShardLayout:
     etp_size: int = 0              # expert tensor parallel size; 0 = tp_size (Megatron's default)
     etp_rank: int = -1             # -1 = tp_rank mod etp size
     padded_vocab_size: int = 0     # 0 = vocab rounded up to a multiple of tp_size
+    last_stage_layers: int = 0     # layers on the last pipeline rank; 0 = even (core/dims.py stage_layer_counts)
 
     def __post_init__(self):
         for size, rank, name in ((self.tp_size, self.tp_rank, "tp"), (self.ep_size, self.ep_rank, "ep"),
@@ -59,7 +60,7 @@ class ShardLayout:
         expert = self.ep_size * self.expert_tp_size
         dp = expert // math.gcd(self.tp_size, expert)
         return ParallelDims(tp=self.tp_size, pp=self.pp_size, vpp=self.vpp_size, ep=self.ep_size,
-                            etp=self.expert_tp_size, dp=dp)
+                            etp=self.expert_tp_size, dp=dp, last_stage_layers=self.last_stage_layers)
 
     def padded_vocab(self, vocab_size: int) -> int:
         if self.padded_vocab_size:
@@ -71,13 +72,12 @@ class ShardLayout:
 
     def layer_range(self, num_layers: int, vp_stage: int = 0) -> range:
         """Global decoder layers of virtual chunk `vp_stage` on this pipeline rank."""
-        chunks = self.pp_size * self.vpp_size
-        if num_layers % chunks:
-            raise ValueError(f"{num_layers} layers do not split evenly over pp={self.pp_size} x vpp={self.vpp_size}; "
-                             f"fix: choose pp*vpp dividing the layer count")
-        n = num_layers // chunks
-        start = vp_stage * (num_layers // self.vpp_size) + self.pp_rank * n
-        return range(start, start + n)
+        counts = self.dims().stage_layers(num_layers)
+        if min(counts) < 1 or any(c % self.vpp_size for c in counts):
+            raise ValueError(f"{num_layers} layers do not split over pp={self.pp_size} x vpp={self.vpp_size} "
+                             f"(per pipeline rank: {counts}); fix: choose pp, vpp and last_stage_layers so that "
+                             f"every rank's layers split over its vpp chunks")
+        return layer_range(num_layers, self.pp_size, self.vpp_size, self.pp_rank, vp_stage, self.last_stage_layers)
 
     def expert_range(self, num_experts: int) -> range:
         if num_experts % self.ep_size:

@@ -27,7 +27,7 @@ from .layout import ShardLayout, all_layouts
 from .manifest import CheckpointCorruptError, sha256_file
 
 FORMAT = "sao-mcore-v1"
-LAYOUT_KEYS = ("tp_size", "ep_size", "pp_size", "vpp_size", "etp_size", "padded_vocab_size")
+LAYOUT_KEYS = ("tp_size", "ep_size", "pp_size", "vpp_size", "etp_size", "padded_vocab_size", "last_stage_layers")
 
 
 def _shard_name(layout: ShardLayout) -> str:
@@ -49,7 +49,8 @@ def save_mcore_dir(hf_dir: str | Path, out_dir: str | Path, layout: ShardLayout,
     base = {k: getattr(layout, k) for k in LAYOUT_KEYS}
     files = {}
     for rank in all_layouts(tp=layout.tp_size, ep=layout.ep_size, pp=layout.pp_size, vpp=layout.vpp_size,
-                            etp_size=layout.etp_size, padded_vocab_size=layout.padded_vocab(spec.vocab_size)):
+                            etp_size=layout.etp_size, padded_vocab_size=layout.padded_vocab(spec.vocab_size),
+                            last_stage_layers=layout.last_stage_layers):
         torch.save(hf_to_mcore(hf, spec, rank), out / _shard_name(rank))
         files[_shard_name(rank)] = sha256_file(out / _shard_name(rank))
     base["padded_vocab_size"] = layout.padded_vocab(spec.vocab_size)
@@ -81,7 +82,8 @@ def load_mcore_dir(mcore_dir: str | Path) -> tuple[dict, dict]:
     lay = meta["layout"]
     shards = {}
     for rank in all_layouts(tp=lay["tp_size"], ep=lay["ep_size"], pp=lay["pp_size"], vpp=lay["vpp_size"],
-                            etp_size=lay["etp_size"], padded_vocab_size=lay["padded_vocab_size"]):
+                            etp_size=lay["etp_size"], padded_vocab_size=lay["padded_vocab_size"],
+                            last_stage_layers=lay.get("last_stage_layers", 0)):   # older dirs: even split
         path = root / _shard_name(rank)
         if not path.is_file() or sha256_file(path) != meta["files"].get(_shard_name(rank)):
             raise CheckpointCorruptError(f"shard {path} is missing or does not match its checksum in {meta_path}")

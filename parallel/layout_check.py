@@ -24,6 +24,7 @@ LAYOUTS = {
     "ep2": dict(ep=2),
     "ep2_allgather": dict(ep=2, dispatcher="allgather"),
     "pp2": dict(pp=2),
+    "pp2_uneven": dict(pp=2, last_stage_layers=1),   # Megatron's uneven last stage: 3 + 1 layers
     "vpp2": dict(pp=2, vpp=2),
     "dp2": dict(),
     "dp2_distopt": dict(distributed_optimizer=True),

@@ -104,7 +104,7 @@ def activation_bytes(cfg: dict, layout: ParallelDims, stage: int, tokens: int, r
     """Activation memory of one rank of `stage` for micro-batches of `tokens` tokens (before CP).
     seq_len: the padded row length (local kernels only; 0 = one row of `tokens`)."""
     moe_flags = [is_moe_layer(cfg, i) for i in range(cfg["num_hidden_layers"])]
-    layers = stage_ranges(cfg["num_hidden_layers"], layout.pp, layout.vpp)[stage]
+    layers = stage_ranges(cfg["num_hidden_layers"], layout.pp, layout.vpp, layout.last_stage_layers)[stage]
 
     def elems(i: int, mode: str) -> float:
         return layer_activation_elems(cfg, moe_flags[i], layout, mode, kernels, seq_len or tokens)

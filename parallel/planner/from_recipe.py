@@ -51,7 +51,8 @@ def plan_input_from_recipe(recipe, gpus: int = 0, gpu: str = "h100", **options) 
     engine = EngineOptions(tp=roll.engine_tp, ep=roll.engine_ep, dp_attention=roll.engine_dp_attention,
                            mem_fraction=roll.mem_fraction, fp8_weights=roll.engine_fp8,
                            kv_dtype=options.pop("kv_dtype", "bf16"), include_mtp=options.pop("include_mtp", False))
-    layout = Layout(tp=par.tp, pp=par.pp, ep=par.ep, etp=par.etp or par.tp, cp=par.cp, vpp=par.vpp)
+    layout = Layout(tp=par.tp, pp=par.pp, ep=par.ep, etp=par.etp or par.tp, cp=par.cp, vpp=par.vpp,
+                    last_stage_layers=par.last_stage_layers)
     return PlanInput(cfg=model_config_of(recipe), gpus=gpus, gpu=GPUS[gpu], gpus_per_node=per_node,
                      rollout_gpus=launch.rollout_nodes * per_node, layout=layout, train=train, engine=engine,
                      critic=recipe.critic.enabled, freeze_attention=recipe.critic.freeze_attention,

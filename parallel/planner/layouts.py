@@ -2,14 +2,13 @@
 
 A planner layout is a `ParallelDims` (sao_megatron/core/dims.py) whose dp is left to the world
 (dp=0) and whose etp is explicit (1 unless given). `layout_problem` asks ParallelDims.validate, the
-one copy of the layout rules, and plans Megatron's uneven last pipeline stage as well.
+one copy of the layout rules, including Megatron's uneven last pipeline stage.
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
-from sao_megatron.core.dims import LayoutError, ParallelDims, stage_layer_counts
+from sao_megatron.core.dims import LayoutError, ParallelDims, layer_range, stage_layer_counts
 from sao_megatron.core.shape import shape_from_hf
 
 
@@ -22,25 +21,22 @@ class GpuSpec:
 GPUS = {"h100": GpuSpec("h100", 79.6), "h200": GpuSpec("h200", 139.8)}
 
 
-def Layout(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1, cp: int = 1, vpp: int = 1) -> ParallelDims:  # noqa: N802
+def Layout(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1, cp: int = 1, vpp: int = 1,  # noqa: N802
+           last_stage_layers: int = 0) -> ParallelDims:
     """A planner layout: ParallelDims with dp resolved from the world and etp = 1 unless given."""
-    return ParallelDims(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp, dp=0)
+    return ParallelDims(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, cp=cp, dp=0, last_stage_layers=last_stage_layers)
 
 
 def layout_problem(cfg: dict, layout: ParallelDims, world: int) -> str:
     """Why `layout` cannot run this model on `world` ranks ('' when it can): ParallelDims.validate's message."""
     try:
-        layout.validate(world, shape_from_hf(cfg), uneven_last_stage=True)
+        layout.validate(world, shape_from_hf(cfg))
     except LayoutError as err:
         return str(err)
     return ""
 
 
-def stage_ranges(num_layers: int, pp: int, vpp: int = 1) -> list[list[int]]:
-    """Layer indices held by each pipeline rank (virtual chunks interleave: chunk c goes to rank c % pp)."""
-    counts = stage_layer_counts(num_layers, pp * vpp)
-    starts = list(itertools.accumulate([0] + counts))
-    ranks: list[list[int]] = [[] for _ in range(pp)]
-    for chunk, count in enumerate(counts):
-        ranks[chunk % pp].extend(range(starts[chunk], starts[chunk] + count))
-    return ranks
+def stage_ranges(num_layers: int, pp: int, vpp: int = 1, last_stage_layers: int = 0) -> list[list[int]]:
+    """Layer indices held by each pipeline rank, all its virtual chunks (core/dims.py layer_range)."""
+    return [[i for v in range(vpp) for i in layer_range(num_layers, pp, vpp, r, v, last_stage_layers)]
+            for r in range(pp)]

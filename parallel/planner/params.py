@@ -42,7 +42,7 @@ def rank_params(cfg: dict, layout: ParallelDims, stage: int, trainable: str = "a
     """Parameters on one rank of pipeline stage `stage`. trainable: 'all' | 'moe_only' (critic)."""
     layers = all_layers(cfg)
     sums = [0, 0, 0, 0, 0]  # split, replicated, expert, frozen split, frozen replicated
-    for index in stage_ranges(cfg["num_hidden_layers"], layout.pp, layout.vpp)[stage]:
+    for index in stage_ranges(cfg["num_hidden_layers"], layout.pp, layout.vpp, layout.last_stage_layers)[stage]:
         sums = [a + b for a, b in zip(sums, _layer_split(layers[index], trainable))]
     split, repl, expert, frozen_split, frozen_repl = sums
     if stage == 0:

@@ -19,6 +19,8 @@ def register(sub) -> None:
     for flag, doc in sizes:
         to_mcore.add_argument(f"--{flag}", type=int, default=1, help=f"{doc} parallel size")
     to_mcore.add_argument("--etp", type=int, default=0, help="expert tensor parallel size (0 = tp)")
+    to_mcore.add_argument("--last-stage-layers", type=int, default=0,
+                          help="layers on the last pipeline rank (the recipe's parallel.last_stage_layers; 0 = even)")
     to_mcore.add_argument("--padded-vocab", type=int, default=0,
                           help="padded vocabulary rows (0 = the trainer's rule: a multiple of 128, or 128*tp)")
     to_mcore.add_argument("--arch", default="", help="architecture (default: config.json model_type)")
@@ -36,7 +38,8 @@ def run(args) -> int:
     try:
         if args.direction == "hf-to-mcore":
             layout = ShardLayout(tp_size=args.tp, ep_size=args.ep, pp_size=args.pp, vpp_size=args.vpp,
-                                 etp_size=args.etp, padded_vocab_size=args.padded_vocab or _trainer_padding(args))
+                                 etp_size=args.etp, padded_vocab_size=args.padded_vocab or _trainer_padding(args),
+                                 last_stage_layers=args.last_stage_layers)
             out = save_mcore_dir(args.hf_dir, args.out_dir, layout, arch=args.arch)
         else:
             out = mcore_dir_to_hf(args.mcore_dir, args.out_dir, max_shard_mb=args.max_shard_mb)

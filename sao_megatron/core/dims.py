@@ -16,9 +16,14 @@ is a `LayoutError`, a ConfigError naming the recipe field and the fix. The rules
   spec sets num_query_groups = num_attention_heads, so only the heads rule applies.
 - ep divides the routed experts (moe_layer.py: num_moe_experts % ep_size); ep > 1 needs experts.
 - ep * etp divides the ranks of one pipeline stage, world / pp (the expert grid etp*ep*edp*pp).
-- Layers: pp * vpp divides them (the trainer's even split, get_transformer_layer_offset). The
-  planner also plans Megatron's uneven split (ceil(L/stages) layers on every stage but the last,
-  --decoder-last-pipeline-num-layers), which the trainer does not configure: `uneven_last_stage`.
+- Layers (`stage_layer_counts`, `layer_range`): an even split when pp * vpp divides them; otherwise
+  Megatron's uneven last stage (TransformerConfig.num_layers_in_last_pipeline_stage, the
+  --decoder-last-pipeline-num-layers flag): every pipeline rank but the last holds m layers, the last
+  holds the rest. m is ceil(L/pp) rounded up to a multiple of vpp unless `parallel.last_stage_layers`
+  fixes the last stage's count (Megatron: the other ranks split the rest evenly). With vpp, each
+  rank's count splits evenly over its vpp chunks (transformer_config.py __post_init__), and chunk v of
+  rank r starts at v*L/vpp + (layers of ranks < r)/vpp (transformer_layer.get_transformer_layer_offset).
+  The trainer, the planner and `sao convert` all place layers with these two functions.
 """
 from __future__ import annotations
 
@@ -34,10 +39,27 @@ class LayoutError(ConfigError):
     """A parallel layout that cannot work: ``parallel.<field>: <problem>; fix: <fix>``."""
 
 
-def stage_layer_counts(num_layers: int, stages: int) -> list[int]:
-    """ceil(L/stages) layers on every stage but the last, which takes the rest (78 over 4 -> 20,20,20,18)."""
-    first = math.ceil(num_layers / stages)
-    return [first] * (stages - 1) + [num_layers - first * (stages - 1)]
+def stage_layer_counts(num_layers: int, pp: int, vpp: int = 1, last_stage_layers: int = 0) -> list[int]:
+    """Layers of each pipeline rank (all its vpp chunks together): even when pp*vpp divides them, else
+    m on every rank but the last, which takes the rest (78 over pp=4 -> 20,20,20,18). Not validated:
+    a count may come out < 1 or not split over vpp; ParallelDims.validate says so."""
+    if pp == 1:
+        return [num_layers]
+    if last_stage_layers:
+        rest = num_layers - last_stage_layers
+        return [rest // (pp - 1)] * (pp - 1) + [num_layers - (rest // (pp - 1)) * (pp - 1)]
+    if num_layers % (pp * vpp) == 0:
+        return [num_layers // pp] * pp
+    m = math.ceil(math.ceil(num_layers / pp) / vpp) * vpp
+    return [m] * (pp - 1) + [num_layers - m * (pp - 1)]
+
+
+def layer_range(num_layers: int, pp: int, vpp: int, pp_rank: int, vp_stage: int = 0,
+                last_stage_layers: int = 0) -> range:
+    """Global ids of the decoder layers in virtual chunk `vp_stage` of pipeline rank `pp_rank`."""
+    counts = stage_layer_counts(num_layers, pp, vpp, last_stage_layers)
+    start = vp_stage * (num_layers // vpp) + sum(counts[:pp_rank]) // vpp
+    return range(start, start + counts[pp_rank] // vpp)
 
 
 @dataclass(frozen=True)
@@ -50,13 +72,14 @@ class ParallelDims:
     cp: int = 1
     dp: int = 1                 # 0 = whatever the world leaves: world / (tp*pp*cp), resolved by validate
     sequence_parallel: bool = False
+    last_stage_layers: int = 0  # layers of the last pipeline rank; 0 = even split, else ceil (stage_layer_counts)
 
     @classmethod
     def from_config(cls, par, world_size: int) -> "ParallelDims":
         """From a recipe's ParallelConfig; dp=0 means world / (tp*pp*cp)."""
         dp = par.dp or max(world_size // (par.tp * par.pp * par.cp), 1)
         return cls(tp=par.tp, pp=par.pp, vpp=par.vpp, ep=par.ep, etp=par.etp or None, cp=par.cp, dp=dp,
-                   sequence_parallel=par.sequence_parallel)
+                   sequence_parallel=par.sequence_parallel, last_stage_layers=par.last_stage_layers)
 
     @property
     def world_size(self) -> int:
@@ -76,12 +99,24 @@ class ParallelDims:
     def expert_data_parallel(self, world: int) -> int:
         return world // (self.pp * self.ep * self.expert_tp)
 
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Layers of each pipeline rank under this layout (stage_layer_counts)."""
+        return stage_layer_counts(num_layers, self.pp, self.vpp, self.last_stage_layers)
+
+    def layer_range(self, num_layers: int, pp_rank: int, vp_stage: int = 0) -> range:
+        """Global layer ids of one virtual chunk of one pipeline rank (as Megatron places them)."""
+        return layer_range(num_layers, self.pp, self.vpp, pp_rank, vp_stage, self.last_stage_layers)
+
+    def megatron_last_stage_layers(self, num_layers: int) -> Optional[int]:
+        """TransformerConfig.num_layers_in_last_pipeline_stage: None for an even split."""
+        counts = self.stage_layers(num_layers)
+        return None if len(set(counts)) == 1 else counts[-1]
+
     def short(self) -> str:
         return (f"tp{self.tp} pp{self.pp} cp{self.cp} ep{self.ep} etp{self.expert_tp}"
                 + (f" vpp{self.vpp}" if self.vpp > 1 else ""))
 
-    def validate(self, world_size: int, model: Optional[ArchShape] = None,
-                 uneven_last_stage: bool = False) -> "ParallelDims":
+    def validate(self, world_size: int, model: Optional[ArchShape] = None) -> "ParallelDims":
         """Check sizes against the world and (optionally) the model; return the resolved dims.
 
         Resolution: dp=0 becomes world / (tp*pp*cp); sequence parallel is forced on for MoE with
@@ -90,7 +125,7 @@ class ParallelDims:
         self._check_sizes()
         dims = self._check_world(world_size)
         if model is not None:
-            dims._check_model(model, uneven_last_stage)
+            dims._check_model(model)
             if model.num_experts and dims.tp > 1 and not dims.sequence_parallel:
                 dims = replace(dims, sequence_parallel=True)
         if dims.tp == 1 and dims.sequence_parallel:
@@ -124,7 +159,7 @@ class ParallelDims:
                               "ranks of a stage (world_size/pp)", "choose ep (and etp) so that ep*etp divides them")
         return dims
 
-    def _check_model(self, model: ArchShape, uneven_last_stage: bool) -> None:
+    def _check_model(self, model: ArchShape) -> None:
         if model.num_heads and model.num_heads % self.tp:
             raise LayoutError("parallel.tp", f"tp={self.tp} does not divide {model.num_heads} attention heads",
                               "choose tp dividing the head count")
@@ -137,14 +172,25 @@ class ParallelDims:
         if not model.num_experts and self.ep > 1:
             raise LayoutError("parallel.ep", f"ep={self.ep} but the model has no experts", "set parallel.ep = 1")
         if model.num_layers:
-            self._check_layers(model.num_layers, uneven_last_stage)
+            self._check_layers(model.num_layers)
 
-    def _check_layers(self, layers: int, uneven_last_stage: bool) -> None:
-        stages = self.pp * self.vpp
-        if uneven_last_stage:
-            if min(stage_layer_counts(layers, stages)) < 1:
-                raise LayoutError("parallel.pp", f"pp*vpp={stages} leaves a stage without layers "
-                                  f"(num_layers={layers})", "lower pp or vpp")
-        elif layers % stages:
-            raise LayoutError("parallel.pp", f"pp*vpp={stages} does not divide num_layers={layers} layers",
-                              "choose pp and vpp so that every stage gets the same number of layers")
+    def _check_layers(self, layers: int) -> None:
+        last = self.last_stage_layers
+        if last and self.pp == 1:
+            raise LayoutError("parallel.last_stage_layers", f"{last} set with pp=1",
+                              "set parallel.last_stage_layers = 0 (it places layers across pipeline ranks)")
+        if last and not 0 < last < layers:
+            raise LayoutError("parallel.last_stage_layers", f"{last} is not within 1..{layers - 1} "
+                              f"(num_layers={layers})", "use 0 (automatic) or a count below num_layers")
+        if last and (layers - last) % (self.pp - 1):
+            raise LayoutError("parallel.last_stage_layers", f"the other {self.pp - 1} pipeline ranks cannot split "
+                              f"the remaining {layers - last} of {layers} layers evenly",
+                              "choose it so that pp-1 divides num_layers - last_stage_layers, or 0")
+        counts = self.stage_layers(layers)
+        if min(counts) < 1:
+            raise LayoutError("parallel.pp", f"pp={self.pp} (vpp={self.vpp}) leaves a pipeline rank without "
+                              f"layers (num_layers={layers}: {counts})", "lower pp or vpp, or set parallel.last_stage_layers")
+        if any(c % self.vpp for c in counts):
+            raise LayoutError("parallel.vpp", f"vpp={self.vpp} does not divide the layers of every pipeline rank "
+                              f"({counts} of num_layers={layers})",
+                              "choose vpp dividing each rank's layers, or set parallel.last_stage_layers")

@@ -1,8 +1,9 @@
 """Our HF -> Megatron shards loaded into a real Megatron-Core model (RLModel, CPU/gloo, 2 ranks) give the
 HF model's logprobs, and the model's own state dicts merge back into the HF checkpoint bit-exactly.
 
-Cases: the tiny Qwen3-MoE under TP2, EP2, PP2; a tiny GLM-4.5 (dense first layer, shared expert, qkv
-bias, expert bias) under TP2 and EP2. Every rank builds the policy, loads checkpoints.convert.hf_to_mcore shards with
+Cases: the tiny Qwen3-MoE under TP2, EP2, PP2 and PP2 with an uneven last stage (3+1 layers,
+Megatron's num_layers_in_last_pipeline_stage); a tiny GLM-4.5 (dense first layer, shared expert, qkv
+bias, expert bias) under TP2, EP2 and PP2 with 1+3 layers (rank 0 holds only the dense layer). Every rank builds the policy, loads checkpoints.convert.hf_to_mcore shards with
 load_state_dict (every parameter must be covered), computes logprobs on fixed micro-batches (compared
 with the HF forward: max |delta| < 1e-5 fp32), and sends its module state dicts to rank 0, which
 merges them with mcore_to_hf and compares with the original tensors.
@@ -14,9 +15,12 @@ import torch
 
 from parallel.distributed import run_distributed_test
 
-LAYOUTS = {"tp2": dict(tp=2), "ep2": dict(ep=2), "pp2": dict(pp=2)}
+LAYOUTS = {"tp2": dict(tp=2), "ep2": dict(ep=2), "pp2": dict(pp=2),
+           # Megatron's uneven last stage: 3 + 1 layers; 1 + 3 (GLM: rank 0 holds only the dense layer)
+           "pp2_last1": dict(pp=2, last_stage_layers=1), "pp2_last3": dict(pp=2, last_stage_layers=3)}
 # GLM-5-class (MLA) is absent: Megatron-Core 0.16.1 runs MLA only with the Transformer Engine spec (GPU).
-CASES = [("qwen3_moe", "tp2"), ("qwen3_moe", "ep2"), ("qwen3_moe", "pp2"), ("glm4_moe", "tp2"), ("glm4_moe", "ep2")]
+CASES = [("qwen3_moe", "tp2"), ("qwen3_moe", "ep2"), ("qwen3_moe", "pp2"), ("qwen3_moe", "pp2_last1"),
+         ("glm4_moe", "tp2"), ("glm4_moe", "ep2"), ("glm4_moe", "pp2_last3")]
 
 
 def _rank_layout(model, spec):
@@ -29,7 +33,8 @@ def _rank_layout(model, spec):
     return ShardLayout(tp_size=d.tp, tp_rank=ps.get_tensor_model_parallel_rank(), ep_size=d.ep,
                        ep_rank=ps.get_expert_model_parallel_rank(), pp_size=d.pp,
                        pp_rank=ps.get_pipeline_model_parallel_rank(), vpp_size=d.vpp,
-                       padded_vocab_size=padded_vocab_size(spec.vocab_size, d.tp))
+                       padded_vocab_size=padded_vocab_size(spec.vocab_size, d.tp),
+                       last_stage_layers=d.last_stage_layers)
 
 
 def _one_layout(model_dir: str, layout: dict) -> dict:

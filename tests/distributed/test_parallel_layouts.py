@@ -1,4 +1,4 @@
-"""TP2, EP2 (alltoall, allgather), PP2 x 4 micro-batches, VPP2, DP2 (plain and distributed optimizer; 2 ranks) and TP2xEP2, TP2xPP2
+"""TP2, EP2 (alltoall, allgather), PP2 x 4 micro-batches (even, and Megatron's uneven last stage 3+1), VPP2, DP2 (plain and distributed optimizer; 2 ranks) and TP2xEP2, TP2xPP2
 (4 ranks) against one rank on the same weights and micro-batches, with and without routing replay.
 
 Layouts loop inside one process group per world size (parallel/layout_check.py), so the tier costs
@@ -15,10 +15,10 @@ import pytest
 from parallel import layout_check as lc
 from parallel.distributed import run_distributed_test
 
-TWO = ["tp2", "ep2", "ep2_allgather", "pp2", "vpp2", "dp2", "dp2_distopt"]
-TWO_ROUTED = ["tp2", "ep2", "pp2", "vpp2"]
+TWO = ["tp2", "ep2", "ep2_allgather", "pp2", "pp2_uneven", "vpp2", "dp2", "dp2_distopt"]
+TWO_ROUTED = ["tp2", "ep2", "pp2", "pp2_uneven", "vpp2"]
 FOUR = ["tp2xep2", "tp2xpp2"]
-EXACT_LOGP = {"pp2", "vpp2"}
+EXACT_LOGP = {"pp2", "pp2_uneven", "vpp2"}
 
 
 def _both(model_dir: str, plain: list[str], routed: list[str]) -> dict:

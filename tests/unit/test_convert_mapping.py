@@ -15,7 +15,8 @@ from checkpoints.tensor_layouts import pack_qkv
 from checkpoints.tiny_models import make_tiny_hf
 
 LAYOUTS = {"TP1": {}, "TP2": dict(tp=2), "EP2": dict(ep=2), "PP2": dict(pp=2), "TP2xEP2": dict(tp=2, ep=2),
-           "PP2xVPP2": dict(pp=2, vpp=2), "TP2xEP2xPP2": dict(tp=2, ep=2, pp=2), "EP4xETP1xTP2": dict(tp=2, ep=4, etp_size=1)}
+           "PP2xVPP2": dict(pp=2, vpp=2), "TP2xEP2xPP2": dict(tp=2, ep=2, pp=2), "EP4xETP1xTP2": dict(tp=2, ep=4, etp_size=1),
+           "PP2last1": dict(pp=2, last_stage_layers=1), "PP2last3": dict(pp=2, last_stage_layers=3)}
 
 
 @pytest.fixture(scope="module")

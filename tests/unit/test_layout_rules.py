@@ -69,14 +69,15 @@ def test_mla_skips_the_kv_head_rule_but_not_the_head_rule():
     assert "kv heads" in _dims_verdict(gqa_like, dict(tp=8, ep=8), 8)
 
 
-def test_the_planner_alone_plans_an_uneven_last_stage():
-    """78 layers over pp=4 (GLM-5): Megatron's --decoder-last-pipeline-num-layers split the planner
-    plans, which the trainer (even split) rejects: the one rule with a named switch."""
+def test_recipe_and_planner_both_take_megatrons_uneven_last_stage():
+    """78 layers over pp=4 (GLM-5): 20,20,20,18, Megatron's num_layers_in_last_pipeline_stage, which the
+    trainer configures (parallel/specs.py); the recipe and the planner give the same verdicts."""
     hf = {"num_attention_heads": 64, "n_routed_experts": 256, "num_hidden_layers": 78, "kv_lora_rank": 512}
     assert layout_problem(hf, Layout(pp=4), 4) == ""
-    assert _recipe_verdict(hf, dict(pp=4), 4) == _dims_verdict(hf, dict(pp=4), 4)
-    assert "pp*vpp=4 does not divide num_layers=78" in _dims_verdict(hf, dict(pp=4), 4)
-    assert "leaves a stage without layers" in layout_problem({**hf, "num_hidden_layers": 6}, Layout(pp=4), 4)
+    assert _recipe_verdict(hf, dict(pp=4), 4) == _dims_verdict(hf, dict(pp=4), 4) == ""
+    six = {**hf, "num_hidden_layers": 6}
+    assert "leaves a pipeline rank without layers" in layout_problem(six, Layout(pp=4), 4)
+    assert _recipe_verdict(six, dict(pp=4), 4) == _dims_verdict(six, dict(pp=4), 4) != ""
 
 
 def test_resolved_dp_and_planner_accessors():

@@ -80,6 +80,9 @@ class ParallelConfig:
     tp: int = doc(1, "Tensor parallel size.", bounds=">= 1")
     pp: int = doc(1, "Pipeline parallel size.", bounds=">= 1")
     vpp: int = doc(1, "Virtual pipeline stages per pipeline rank (interleaved 1F1B).", bounds=">= 1")
+    last_stage_layers: int = doc(0, "Decoder layers on the last pipeline rank (Megatron's uneven last stage, "
+                                    "num_layers_in_last_pipeline_stage); 0 = even when pp*vpp divides the "
+                                    "layers, else ceil(layers/pp) on the other ranks.", bounds=">= 0")
     ep: int = doc(1, "Expert parallel size.", bounds=">= 1")
     etp: int = doc(0, "Expert tensor parallel size; 0 = same as tp (leave it unless you mean it).", bounds=">= 0")
     cp: int = doc(1, "Context parallel size.", bounds=">= 1")
@@ -98,7 +101,7 @@ class ParallelConfig:
         for name in ("tp", "pp", "vpp", "ep", "cp"):
             value = getattr(self, name)
             _require(value >= 1, f"{p}.{name}", f"{value} < 1", "use 1 or more")
-        for name in ("etp", "dp", "world_size"):
+        for name in ("etp", "dp", "world_size", "last_stage_layers"):
             value = getattr(self, name)
             _require(value >= 0, f"{p}.{name}", f"{value} < 0", "use 0 (auto) or more")
         _require(self.micro_batch_tokens >= 16, f"{p}.micro_batch_tokens",
