@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .engine import EngineOptions
-from .layouts import GPUS, Layout
+from .hardware import GPUS
+from .layouts import Layout
 from .plan import PlanInput
 from .trainer import TrainOptions
 
@@ -41,7 +42,7 @@ def plan_input_from_recipe(recipe, gpus: int = 0, gpu: str = "h100", **options) 
         raise ValueError(f"--gpu {gpu!r} is unknown; use one of {', '.join(GPUS)}")
     per_node = launch.gpus_per_node or 1
     gpus = gpus or launch.nodes * per_node
-    train = TrainOptions(dtype=recipe.model.dtype, recompute=recipe.model.recompute,
+    train = TrainOptions(dtype=recipe.model.dtype, fp8=recipe.model.fp8, recompute=recipe.model.recompute,
                          micro_batch_tokens=par.micro_batch_tokens, distributed_optimizer=par.distributed_optimizer,
                          kernels="local" if recipe.model.transformer_impl == "local" else "te",
                          seq_len=min(roll.max_prompt_len + roll.max_new_tokens, par.micro_batch_tokens),
@@ -57,6 +58,7 @@ def plan_input_from_recipe(recipe, gpus: int = 0, gpu: str = "h100", **options) 
                      rollout_gpus=launch.rollout_nodes * per_node, layout=layout, train=train, engine=engine,
                      critic=recipe.critic.enabled, freeze_attention=recipe.critic.freeze_attention,
                      sequence_tokens=roll.max_prompt_len + roll.max_new_tokens, max_in_flight=roll.max_in_flight,
+                     bucket_bytes=recipe.weight_sync.bucket_mb * 2 ** 20,
                      **{"critic_placement": recipe.critic.placement, **options})
 
 

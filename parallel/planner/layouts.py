@@ -6,19 +6,10 @@ one copy of the layout rules, including Megatron's uneven last pipeline stage.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from sao_megatron.core.dims import LayoutError, ParallelDims, layer_range, stage_layer_counts
 from sao_megatron.core.shape import shape_from_hf
 
-
-@dataclass(frozen=True)
-class GpuSpec:
-    name: str
-    memory_gib: float  # what torch.cuda.mem_get_info reports as total on an idle device
-
-
-GPUS = {"h100": GpuSpec("h100", 79.6), "h200": GpuSpec("h200", 139.8)}
+from .hardware import GPUS, GpuSpec  # noqa: F401  (the GPU table lives in hardware.py; re-exported here)
 
 
 def Layout(tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1, cp: int = 1, vpp: int = 1,  # noqa: N802

@@ -9,6 +9,7 @@ from sao_megatron.core.dims import ParallelDims
 from ..model_shapes import num_experts
 from .engine import EngineMemory, EngineOptions, engine_memory
 from .layouts import GpuSpec, Layout, layout_problem
+from .sync_time import SenderMemory, sender_memory
 from .trainer import ModelMemory, TrainOptions, model_memory
 
 GIB = 1024 ** 3
@@ -32,6 +33,7 @@ class PlanInput:
     critic_placement: str = "shared"  # shared: both resident; swap: only the model being updated
     sequence_tokens: int = 0          # prompt + response budget of one sample
     max_in_flight: int = 0            # requests in flight over all engines
+    bucket_bytes: float = 64 * 2 ** 20  # weight_sync.bucket_mb: the weight-sync sender's bucket
 
 
 @dataclass
@@ -45,6 +47,8 @@ class Plan:
     trainer_total: float = 0.0
     peak: float = 0.0
     host_per_gpu: float = 0.0  # host memory the trainer needs per GPU (offloaded optimizer, swapped model)
+    sender: SenderMemory | None = None  # the weight-sync sender's extra memory (worst stage's sender)
+    sync_peak: float = 0.0     # sender GPU during a sync: resident model(s) without activations + sender + reserve
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -54,7 +58,7 @@ class Plan:
     @property
     def fits(self) -> bool:
         return not self.problem and self.peak <= self.capacity and self.engine is not None and \
-            self.engine.fits and self.kv_ok
+            self.engine.fits and self.kv_ok and self.sync_peak <= self.capacity
 
     @property
     def engines(self) -> int:
@@ -93,6 +97,7 @@ def make_plan(inp: PlanInput) -> Plan:
     plan.engine = engine_memory(inp.cfg, inp.engine, plan.capacity)
     plan.trainer_total = _trainer_peak(plan) + RUNTIME_RESERVE_GIB * GIB
     plan.host_per_gpu = _host_bytes(plan)
+    _plan_sender(plan)
     engine_peak = plan.engine.static_pool + RUNTIME_RESERVE_GIB * GIB
     # Colocated engines and trainers alternate (each offloads while the other runs): the peak is the max.
     plan.peak = max(plan.trainer_total, engine_peak) if inp.rollout_gpus == 0 else plan.trainer_total
@@ -102,6 +107,19 @@ def make_plan(inp: PlanInput) -> Plan:
         plan.notes.append(f"KV cache holds {plan.engine.tokens_per_engine / 1e6:.2f}M tokens per engine, "
                           f"{plan.kv_demand / 1e6:.2f}M are in flight at full length: requests will queue")
     return plan
+
+
+def _plan_sender(plan: Plan) -> None:
+    """The sync runs after the update: activations are freed, the policy (and under `shared` the critic)
+    stay resident, and each stage's sender adds its gathered tensors and buckets."""
+    inp = plan.inp
+    senders = [sender_memory(inp, stage, inp.bucket_bytes) for stage in range(inp.layout.pp)]
+    plan.sender = max(senders, key=lambda s: s.total)
+    resident = [plan.policy] + ([plan.critic] if plan.critic and inp.critic_placement == "shared" else [])
+    plan.sync_peak = sum(m.total - m.activations for m in resident) + plan.sender.total + RUNTIME_RESERVE_GIB * GIB
+    if plan.sync_peak > plan.capacity:
+        plan.notes.append(f"weight-sync sender needs {plan.sync_peak / GIB:.1f} GiB during a sync: lower "
+                          f"weight_sync.bucket_mb or raise tp/pp (the gathered tensors scale with the stage)")
 
 
 def _trainer_peak(plan: Plan) -> float:

@@ -6,12 +6,14 @@ from dataclasses import dataclass
 from sao_megatron.core.dims import ParallelDims
 
 from .activations import activation_bytes
+from .fp8_memory import fp8_activation_saving, fp8_weight_copy_bytes
 from .params import rank_params
 
 
 @dataclass(frozen=True)
 class TrainOptions:
     dtype: str = "bf16"               # parameter dtype of the trainer
+    fp8: str = "none"                 # model.fp8: TE FP8 recipe (none | delayed | tensorwise | blockwise | mxfp8)
     recompute: str = "none"           # none | selective | full
     micro_batch_tokens: int = 4096
     kernels: str = "te"               # te (Transformer Engine, GPUs) | local (Megatron local spec, CPU)
@@ -55,5 +57,10 @@ def _stage_memory(cfg, layout, world, opts, stage, trainable, critic) -> ModelMe
     optimizer = b_opt * (dense_trainable / dense_shard + p.expert / expert_shard)
     acts = activation_bytes(cfg, layout, stage, opts.micro_batch_tokens, opts.recompute, b_w, value_head=critic,
                             kernels=opts.kernels, seq_len=opts.seq_len)
+    weights = p.total * b_w
+    if opts.fp8 != "none" and opts.kernels == "te":
+        # TE's cached FP8 weight copies come on top of the bf16 primary weights; saved linear inputs shrink.
+        weights += fp8_weight_copy_bytes(cfg, layout, stage, opts.fp8, value_head=critic)
+        acts -= fp8_activation_saving(cfg, layout, stage, opts.micro_batch_tokens, opts.recompute, b_w)
     on_gpu, host = (0.0, optimizer) if opts.optimizer_offload else (optimizer, 0.0)
-    return ModelMemory(stage, p.total, p.total * b_w, (dense_trainable + p.expert) * 4, on_gpu, acts, host)
+    return ModelMemory(stage, p.total, weights, (dense_trainable + p.expert) * 4, on_gpu, acts, host)

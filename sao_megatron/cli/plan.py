@@ -1,17 +1,26 @@
-"""`sao plan RECIPE.toml --gpus N --gpu h100|h200`: memory per GPU for the recipe's layout, and layouts that fit.
+"""`sao plan RECIPE.toml --gpus N --gpu h100|h200|b200`: memory per GPU for the recipe's layout, predicted
+seconds per step (rollout, train, weight sync and their overlap), and layouts that fit.
 
-Exit code 0 when the recipe's own layout fits, 1 when it does not (the suggestions say what would).
-Formulas: parallel/planner/ and docs/cluster.md.
+Exit code 0 when the recipe's own layout fits, 1 when it does not (the suggestions say what would), 2 on a
+bad argument (one line). Formulas: parallel/planner/ and docs/cluster.md.
 """
 from __future__ import annotations
+
+import sys
 
 
 def register(sub) -> None:
     parser = sub.add_parser("plan", help="Memory per GPU (weights, grads, optimizer, activations, KV) and layouts that fit")
     parser.add_argument("recipe", help="recipe .toml (model.shape_preset or a local model.path)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. parallel.tp=8")
-    parser.add_argument("--gpus", type=int, default=0, help="GPUs in the allocation (default launch.nodes x launch.gpus_per_node)")
-    parser.add_argument("--gpu", default="h100", choices=["h100", "h200"], help="GPU model")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="GPUs in the allocation, >= 1 (default launch.nodes x launch.gpus_per_node)")
+    parser.add_argument("--gpu", default="h100", help="GPU model: h100, h200 or b200 (parallel/planner/hardware.py)")
+    parser.add_argument("--transport", default=None, choices=["broadcast", "sharded"],
+                        help="weight-sync transport the step uses (default: weight_sync.method; both are printed)")
+    parser.add_argument("--prompt-tokens", type=float, default=None, help="mean prompt length (default max_prompt_len/2)")
+    parser.add_argument("--response-tokens", type=float, default=None,
+                        help="mean response length (default max_new_tokens/2)")
     parser.add_argument("--optimizer-offload", action="store_true", default=None,
                         help="Adam state and fp32 master on the host (CPU Adam); default: parallel.optimizer_offload")
     parser.add_argument("--critic-placement", default=None, choices=["shared", "swap"],
@@ -22,16 +31,39 @@ def register(sub) -> None:
     parser.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from parallel.planner import OPTION_LADDER, make_plan, plan_input_from_recipe, search_layouts, with_options
-    from checkpoints.arch import load_recipe
+def argument_problem(args) -> str:
+    """One line naming a bad --gpus / --gpu / length ('' when they are fine)."""
+    from parallel.planner import GPUS
 
+    if args.gpus is not None and args.gpus < 1:
+        return f"--gpus {args.gpus}: need at least 1 GPU (or leave it out to use launch.nodes x launch.gpus_per_node)"
+    if args.gpu not in GPUS:
+        return f"--gpu {args.gpu!r} is unknown; use one of {', '.join(GPUS)}"
+    for name in ("prompt_tokens", "response_tokens"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            return f"--{name.replace('_', '-')} {value:g}: must be positive"
+    return ""
+
+
+def run(args) -> int:
+    from checkpoints.arch import load_recipe
+    from parallel.planner import OPTION_LADDER, make_plan, plan_input_from_recipe, search_layouts, with_options
+
+    problem = argument_problem(args)
+    if problem:
+        print(f"sao plan: {problem}", file=sys.stderr)
+        return 2
     recipe = load_recipe(args.recipe, args.overrides, check_files=False)
     placement = {"critic_placement": args.critic_placement} if args.critic_placement else {}   # else the recipe's
-    inp = plan_input_from_recipe(recipe, args.gpus, args.gpu, optimizer_offload=args.optimizer_offload,
+    inp = plan_input_from_recipe(recipe, args.gpus or 0, args.gpu, optimizer_offload=args.optimizer_offload,
                                  kv_dtype=args.kv_cache_dtype, **placement)
     plan = make_plan(inp)
     print(render_plan(plan, recipe.model.shape_preset or recipe.model.path))
+    if not plan.problem:
+        from sao_megatron.cli.plan_time import render_time
+
+        print(render_time(plan, recipe, args))
     suggestions, used = [], {}
     for options in OPTION_LADDER:
         suggestions = search_layouts(with_options(inp, options), limit=args.suggest)
@@ -71,11 +103,12 @@ def render_plan(plan, model_name: str) -> str:
     if plan.problem:
         return "\n".join(lines + [f"layout {inp.layout.short()}: cannot run: {plan.problem}", "verdict: DOES NOT FIT"])
     lay = inp.layout
+    fp8 = f", FP8 {inp.train.fp8} (TE)" if inp.train.fp8 != "none" else ""
     lines.append(f"layout {lay.short()}: dp {lay.data_parallel(plan.world)}, expert-dp {lay.expert_data_parallel(plan.world)}, recompute "
                  f"{inp.train.recompute}, micro-batch {inp.train.micro_batch_tokens} tokens, distributed optimizer "
                  f"{'on' if inp.train.distributed_optimizer else 'off'}, optimizer offload "
                  f"{'on' if inp.train.optimizer_offload else 'off'}"
-                 + (", local kernels (unfused attention)" if inp.train.kernels == "local" else ""))
+                 + (", local kernels (unfused attention)" if inp.train.kernels == "local" else "") + fp8)
     unit, scale = table_unit(plan)
     lines.append(f"{unit + ' per GPU':<22}{'params':>9}{'weights':>9}{'grads':>9}{'optim':>9}{'activ':>9}{'total':>9}")
     for name, mem in (("policy", plan.policy), ("critic", plan.critic)):
@@ -89,6 +122,11 @@ def render_plan(plan, model_name: str) -> str:
         lines.append(f"host memory for offloaded/swapped state: {gib(plan.host_per_gpu * inp.gpus_per_node)} GiB "
                      f"per node ({inp.gpus_per_node} GPUs)")
     lines.append(render_engine(plan))
+    if plan.sender is not None:
+        sender = plan.sender
+        lines.append(f"weight-sync sender: gathered tensors {gib(sender.gathered)} GiB + buckets {gib(sender.buckets)} GiB "
+                     f"(weight_sync.bucket_mb = {inp.bucket_bytes / 2 ** 20:g}); GPU peak during a sync "
+                     f"{gib(plan.sync_peak)} GiB")
     lines += [f"note: {n}" for n in plan.notes]
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     lines.append(f"verdict: {verdict} (peak {gib(plan.peak)} of {inp.gpu.memory_gib} GiB per GPU)")

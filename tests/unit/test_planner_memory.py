@@ -137,9 +137,11 @@ def _glm5_input(gpus, **options):
 
 
 def test_750b_slime_layout_fits_256_h100_trainers_with_offload_and_swap():
-    plan = make_plan(_glm5_input(320, optimizer_offload=True, critic_placement="swap"))
-    assert plan.world == 256 and plan.inp.layout == Layout(tp=4, pp=4, cp=2, ep=32, etp=1)
-    assert plan.fits and plan.peak < 60 * GIB
+    """slime's bf16 layout (EP32); the recipe trains in FP8 at EP64 (tests/unit/test_plan_time.py says why)."""
+    inp = _glm5_input(320, optimizer_offload=True, critic_placement="swap")
+    inp = replace(inp, layout=Layout(tp=4, pp=4, cp=2, ep=32, etp=1), train=replace(inp.train, fp8="none"))
+    plan = make_plan(inp)
+    assert plan.world == 256 and plan.fits and plan.peak < 60 * GIB
 
 
 def test_750b_recipe_fits_as_written_with_offload_and_swap():
@@ -149,7 +151,7 @@ def test_750b_recipe_fits_as_written_with_offload_and_swap():
 
 def test_750b_does_not_fit_with_both_models_and_adam_on_the_gpu():
     plan = make_plan(_glm5_input(320, optimizer_offload=False, critic_placement="shared"))
-    assert not plan.fits and plan.peak > 140 * GIB
+    assert not plan.fits and plan.peak > 1.5 * plan.capacity
 
 
 def test_750b_too_small_allocation_has_no_layout():

@@ -1,0 +1,137 @@
+"""Weight-sync time (trainer -> engines) for the two transports, and the sender's peak memory.
+
+- broadcast: one group spans the sender and every engine GPU; every engine GPU receives every byte, so
+  the wire time is the model's bytes over one link (the sender's, and each receiver's, NIC when the
+  engines are on other nodes; NVLink when sender and engine share a node).
+- sharded: each engine rank receives only its own shard (its TP/EP slice, plus what it replicates:
+  attention under dp-attention), from several trainer senders in parallel, each on its own group;
+  the wire time is the larger of one engine GPU's bytes over its link and all engine bytes over the
+  senders' links together.
+
+Both first gather what the trainer holds sharded: TP pieces over NVLink; for broadcast also the
+routed experts over the expert-parallel group (NIC when EP spans nodes); sharded sends each expert
+from its owner (no expert gather; `gather_experts=True` models a P2P path that still gathers them, as
+miles' does). Stages gather one after the other (ours: per-stage senders send in turns) unless
+`stage_parallel_gather` (slime/miles gather every stage at once). Fixed costs: BUCKET_OVERHEAD_S per
+bucket a sender sends (HTTP call, CUDA sync) and PER_TENSOR_S per tensor an engine rank loads (one
+Python weight_loader call; a broadcast rank loads every tensor, a sharded rank only its own).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from ..model_shapes import all_layers, count_parameters, embedding_params, is_mla, num_experts
+from .engine import engine_memory
+from .params import rank_params
+from .hardware import BUCKET_OVERHEAD_S, LINK_EFF, PER_TENSOR_S, GpuSpec, gpu_spec
+
+TRANSPORTS = ("broadcast", "sharded")
+SENT_BYTES = 2  # the sender sends the trainer's bf16 weights; SGLang quantizes FP8 engines itself
+
+
+@dataclass(frozen=True)
+class SyncTime:
+    transport: str
+    bytes_total: float       # bytes leaving the trainer side (broadcast: one copy of the model)
+    bytes_per_engine_gpu: float
+    senders: int
+    gather: float            # seconds
+    wire: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return self.gather + self.wire + self.overhead
+
+
+def _link(spec: GpuSpec, crosses_nodes: bool) -> float:
+    return (spec.nic_bytes if crosses_nodes else spec.nvlink_bytes) * LINK_EFF
+
+
+def engine_gpu_bytes(inp) -> float:
+    """Bytes one engine GPU holds at the sent dtype (bf16): its expert slice plus its attention-TP
+    slice of everything else (whole under dp-attention)."""
+    cap = 1e30  # capacity is irrelevant here; only the weights are read
+    return engine_memory(inp.cfg, replace(inp.engine, fp8_weights=False), cap).weights * SENT_BYTES / 2
+
+
+def hf_tensor_counts(cfg: dict) -> tuple[int, int]:
+    """(non-expert, routed-expert) HF tensors of the model: what the sender sends one by one."""
+    attention = 7 if is_mla(cfg) else 4 + (3 if cfg.get("attention_bias") else 0)
+    attention += 5 if cfg.get("index_n_heads") else 0
+    dense, expert = 3, 0                           # embedding, final norm, head
+    for layer in all_layers(cfg):
+        dense += attention + 2 + (3 if layer.dense_mlp else 0) + (3 if layer.shared_experts else 0)
+        dense += 2 if layer.router else 0
+        expert += 3 * num_experts(cfg) if layer.routed_experts else 0
+    return dense, expert
+
+
+def gather_seconds(inp, transport: str, stage_parallel: bool, gather_experts: bool | None = None) -> float:
+    """Trainer-side gather before sending: dense TP pieces over NVLink; for broadcast (or
+    gather_experts) the routed experts over the expert-parallel group too."""
+    spec, lay = gpu_spec(inp.gpu.name), inp.layout
+    counts = count_parameters(inp.cfg)
+    dense = (counts.total - counts.routed_experts) * SENT_BYTES
+    seconds = dense * (1 - 1 / lay.tp) / _link(spec, False)
+    if gather_experts or (gather_experts is None and transport == "broadcast"):
+        ep_group = lay.ep * lay.etp
+        crosses = lay.tp * ep_group > max(inp.gpus_per_node, 1)
+        seconds += counts.routed_experts * SENT_BYTES * (1 - 1 / ep_group) / _link(spec, crosses)
+    return seconds / lay.pp if stage_parallel else seconds
+
+
+def sync_time(inp, transport: str = "broadcast", bucket_bytes: float = 2 ** 30, stage_parallel_gather: bool = False,
+              gather_experts: bool | None = None, senders: int = 0) -> SyncTime:
+    """Seconds of one weight sync of `inp`'s model to all of its engines (senders: sharded only)."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport {transport!r} is unknown; use one of {', '.join(TRANSPORTS)}")
+    spec = gpu_spec(inp.gpu.name)
+    engine_gpus = inp.rollout_gpus or inp.gpus
+    per_node = max(inp.gpus_per_node, 1)
+    crosses = inp.rollout_gpus > 0 or engine_gpus > per_node or inp.engine.tp > per_node
+    link = _link(spec, crosses)
+    model_bytes = count_parameters(inp.cfg).total * SENT_BYTES
+    per_gpu = engine_gpu_bytes(inp)
+    if transport == "broadcast":
+        senders, wire = 1, model_bytes / link
+        per_sender = model_bytes
+    else:
+        senders = senders or max(inp.layout.pp * inp.layout.ep, 1)   # default: every expert owner sends
+        received = per_gpu * engine_gpus
+        wire = max(per_gpu / link, received / (senders * link))
+        per_sender = received / senders
+    dense_tensors, expert_tensors = hf_tensor_counts(inp.cfg)
+    per_rank = dense_tensors + expert_tensors * (1 if transport == "broadcast" else 1 / max(inp.engine.ep, 1))
+    overhead = math.ceil(per_sender / bucket_bytes) * BUCKET_OVERHEAD_S + per_rank * PER_TENSOR_S
+    gather = gather_seconds(inp, transport, stage_parallel_gather, gather_experts)
+    return SyncTime(transport, model_bytes if transport == "broadcast" else per_gpu * engine_gpus, per_gpu,
+                    senders, gather, wire, overhead)
+
+
+@dataclass(frozen=True)
+class SenderMemory:
+    """Bytes a weight-sync sender holds on its GPU during a sync, beyond its own model shards."""
+
+    gathered: float   # the full (TP-gathered) tensors the sender owns, held by the export until sent
+    buckets: float    # two flat payload buffers + one bucket of held-back expert tensors + one tensor in flight
+
+    @property
+    def total(self) -> float:
+        return self.gathered + self.buckets
+
+
+def sender_memory(inp, stage: int, bucket_bytes: float) -> SenderMemory:
+    """The export (parallel/weights.py _owned_full_tensors) gathers every TP-split tensor whole and keeps
+    the tensors its rank owns (TP rank 0, DP rank 0 of the stage: the sender) until they are sent: the
+    stage's dense part times tp, its replicated part, its experts times etp, in bf16. The send path
+    (rollout/weights/sync.py) then holds two reused flat buffers of max(bucket, largest tensor), at most
+    one bucket of held-back expert tensors (non_expert_first), and one tensor received from another
+    owner of the stage. Only the buckets are bounded by a recipe key (weight_sync.bucket_mb)."""
+    lay = inp.layout
+    p = rank_params(inp.cfg, lay, stage)
+    gathered = (p.tp_split * lay.tp + p.replicated + p.expert * lay.etp) * SENT_BYTES
+    largest = embedding_params(inp.cfg) * SENT_BYTES
+    buffer = max(bucket_bytes, largest)
+    return SenderMemory(gathered, 2 * buffer + bucket_bytes + largest)
