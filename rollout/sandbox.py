@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from rollout.sandbox_bwrap import (ENV, SANDBOX_DIR, UNSAFE, SandboxUnavailable, bwrap_command, mib, nproc_for,
-                                   pick_uid, prepare_box, require_bwrap, rlimit_args)
+from rollout.sandbox_bwrap import (ENV, SANDBOX_DIR, UNSAFE, NamespaceInit, SandboxUnavailable, bwrap_command, mib,
+                                   nproc_for, pick_uid, prepare_box, require_bwrap, rlimit_args)
 from rollout.sandbox_guard import GUARD
 
 ISOLATIONS = ("bwrap", UNSAFE)
@@ -120,7 +120,7 @@ def _limit_arg(limits: SandboxLimits) -> str:
     return f"{limits.cpu_time_s},{mib(limits.memory_mb)},{mib(limits.file_size_mb)},{limits.open_files}"
 
 
-def _command(scratch: Path, limits: SandboxLimits) -> tuple[list[str], Path, bool]:
+def _command(scratch: Path, limits: SandboxLimits, info_fd: Optional[int]) -> tuple[list[str], Path, bool]:
     """(argv, working dir on this side, network isolated) for the run's isolation mode."""
     box = scratch / "box"
     if limits.isolation == "bwrap":
@@ -131,7 +131,7 @@ def _command(scratch: Path, limits: SandboxLimits) -> tuple[list[str], Path, boo
         rlimits = rlimit_args(limits.cpu_time_s, mib(limits.memory_mb), mib(limits.file_size_mb),
                               limits.open_files, nproc_for(limits.max_processes))
         cmd = bwrap_command(str(box), guard_argv, uid=uid, limits=rlimits, network=limits.network,
-                            tmp_bytes=mib(limits.tmp_mb))
+                            tmp_bytes=mib(limits.tmp_mb), info_fd=info_fd)
         return cmd, box, not limits.network
     box.mkdir(mode=0o700)
     unshare = network_namespace_command() if not limits.network else []
@@ -141,27 +141,40 @@ def _command(scratch: Path, limits: SandboxLimits) -> tuple[list[str], Path, boo
 
 
 async def _run_in(scratch: Path, code: str, limits: SandboxLimits, files: dict[str, str]) -> SandboxResult:
-    cmd, box, isolated = _command(scratch, limits)
-    for name, text in {**files, "_guard.py": GUARD, "main.py": code}.items():
-        (box / name).write_text(text)
-    timed_out = False
-    with open(scratch / ".stdout", "wb") as out, open(scratch / ".stderr", "wb") as err:
-        proc = await asyncio.create_subprocess_exec(
-            *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err, cwd=box, env=_env(limits, box),
-            start_new_session=True)
-        try:
-            await asyncio.wait_for(proc.wait(), limits.wall_time_s)
-        except asyncio.TimeoutError:
-            timed_out = True
-        finally:
-            if proc.returncode is None:
-                await _stop(proc)
-    returncode = _signal_code(proc.returncode) if limits.isolation == "bwrap" else proc.returncode
+    bwrap = limits.isolation == "bwrap"
+    info_r, info_w = os.pipe() if bwrap else (-1, -1)
+    init = NamespaceInit(info_r) if bwrap else None
+    try:
+        cmd, box, isolated = _command(scratch, limits, info_w if bwrap else None)
+        for name, text in {**files, "_guard.py": GUARD, "main.py": code}.items():
+            (box / name).write_text(text)
+        with open(scratch / ".stdout", "wb") as out, open(scratch / ".stderr", "wb") as err:
+            proc = await asyncio.create_subprocess_exec(
+                *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err, cwd=box,
+                env=_env(limits, box), start_new_session=True, pass_fds=(info_w,) if bwrap else ())
+    finally:
+        if bwrap:
+            os.close(info_w)
+    learned = asyncio.ensure_future(asyncio.to_thread(init.learn)) if init else None
+    timed_out = await _wait(proc, init, learned, limits.wall_time_s)
+    returncode = _signal_code(proc.returncode) if bwrap else proc.returncode
     stdout = _read_head(scratch / ".stdout", limits.max_output_bytes)
     stderr = _read_head(scratch / ".stderr", limits.max_output_bytes)
     limit = _which_limit(returncode, stderr, timed_out)
     return SandboxResult(returncode, stdout, stderr, limit, isolated, _read_tail(scratch / ".stdout"),
                          limits.isolation)
+
+
+async def _wait(proc, init: Optional[NamespaceInit], learned, wall_time_s: float) -> bool:
+    """Wait for the run up to the wall limit; on return nothing of it is alive. True if it timed out."""
+    timed_out = False
+    try:
+        await asyncio.wait_for(proc.wait(), wall_time_s)
+    except asyncio.TimeoutError:
+        timed_out = True
+    finally:
+        await _stop(proc, init, learned)
+    return timed_out
 
 
 def _env(limits: SandboxLimits, box: Path) -> dict[str, str]:
@@ -174,42 +187,34 @@ def _signal_code(returncode: int) -> int:
     return -(returncode - 128) if 128 < returncode < 128 + signal.NSIG else returncode
 
 
-async def _stop(proc) -> None:
-    """Kill the whole sandbox: bwrap's child first (pid 1 of the sandbox's pid namespace, so the
-    kernel kills every process in it and bwrap exits once they are gone), then bwrap's process group."""
-    children = _children(proc.pid)
-    for child in children:
-        _kill(child)
-    if children:
-        try:
-            await asyncio.wait_for(proc.wait(), 10)
-        except asyncio.TimeoutError:
-            pass
+async def _stop(proc, init: Optional[NamespaceInit], learned) -> None:
+    """Kill whatever is left. Under bwrap: pid 1 of the sandbox's pid namespace (the kernel then kills
+    every process in it, setsid ones included) and wait until it has exited, which happens only once
+    the namespace is empty; bwrap may report the command's exit before that."""
+    if init is None:                               # unsafe mode: the process group is all we know
+        if proc.returncode is None:
+            _killpg(proc.pid)
+            await proc.wait()
+        return
     if proc.returncode is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        await asyncio.wait([learned], timeout=10)
+        if not learned.done():                     # bwrap never started pid 1: stop it, then read EOF
+            _killpg(proc.pid)
+    await learned
+    if proc.returncode is None or not await asyncio.to_thread(init.wait_gone, 10):
+        init.kill()
+    await asyncio.to_thread(init.wait_gone, 30)
+    init.close()
+    try:
+        await asyncio.wait_for(proc.wait(), 10)
+    except asyncio.TimeoutError:
+        _killpg(proc.pid)
         await proc.wait()
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                with open(f"/proc/{entry.name}/stat") as fh:
-                    stat = fh.read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(entry.name))
-    return kids
-
-
-def _kill(pid: int) -> None:
+def _killpg(pid: int) -> None:
     try:
-        os.kill(pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
 

@@ -20,10 +20,13 @@ counted on top of the user's current processes.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import secrets
+import select
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -119,9 +122,10 @@ def rlimit_args(cpu_s: int, as_bytes: int, fsize_bytes: int, nofile: int, nproc:
 
 
 def bwrap_command(box: str, argv: list[str], *, uid: Optional[int], limits: list[str], network: bool,
-                  tmp_bytes: int) -> list[str]:
+                  tmp_bytes: int, info_fd: Optional[int] = None) -> list[str]:
     """The full command: bwrap, then (as root) setpriv to `uid`, then prlimit `limits`, then `argv`."""
     args = [shutil.which("bwrap") or "bwrap", "--die-with-parent", "--new-session", "--clearenv"]
+    args += ["--info-fd", str(info_fd)] if info_fd is not None else []
     args += _namespaces(network) + _system_mounts() + _readonly_binds(_python_roots())
     args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
     args += ["--bind", box, SANDBOX_DIR, "--chdir", SANDBOX_DIR]
@@ -175,6 +179,46 @@ def require_bwrap() -> None:
     problem = bwrap_problem()
     if problem:
         raise SandboxUnavailable(problem)
+
+
+class NamespaceInit:
+    """bwrap's pid 1 inside the sandbox, held by a pidfd (no pid-reuse race).
+
+    bwrap reports the command's exit as soon as it happens, while its pid 1 may still be taking the
+    rest of the namespace down; pid 1 exits only once every process in its namespace is gone. So the
+    end of a run waits for this pidfd, and killing pid 1 is how the whole namespace is killed.
+    """
+
+    def __init__(self, read_fd: int):
+        self.read_fd = read_fd
+        self.pidfd: Optional[int] = None
+
+    def learn(self) -> None:
+        """Blocking: read bwrap's --info-fd JSON (EOF when bwrap closes it) and open a pidfd on pid 1."""
+        data = b""
+        with os.fdopen(self.read_fd, "rb") as fh:
+            for chunk in iter(lambda: fh.read1(4096), b""):
+                data += chunk
+        try:
+            self.pidfd = os.pidfd_open(int(json.loads(data)["child-pid"]))
+        except (ValueError, KeyError, ProcessLookupError):
+            self.pidfd = None       # bwrap failed before starting it, or it is gone already (reaped)
+
+    def kill(self) -> None:
+        if self.pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def wait_gone(self, timeout_s: float) -> bool:
+        """Blocking: True once pid 1 (and so every process of the namespace) has exited."""
+        return self.pidfd is None or bool(select.select([self.pidfd], [], [], timeout_s)[0])
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
 
 def mib(n: float) -> int:

@@ -25,6 +25,7 @@ A wrong fix (the tests fail) is a verdict, not an error: its last stderr line is
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -188,8 +189,10 @@ class CodeRepairEval(AgenticEval):
 
     @classmethod
     def from_source(cls, arg: str, eval_cfg, rollout_cfg) -> "CodeRepairEval":
+        limits = dataclasses.replace(cls.sandbox_limits, isolation=getattr(rollout_cfg, "sandbox", "bwrap"))
         return cls(arg, max_turns=eval_cfg.max_turns, max_turn_tokens=rollout_cfg.max_new_tokens,
-                   max_episode_tokens=eval_cfg.max_episode_tokens, temperature=rollout_cfg.temperature)
+                   max_episode_tokens=eval_cfg.max_episode_tokens, temperature=rollout_cfg.temperature,
+                   sandbox_limits=limits)
 
     def problems(self) -> list:
         return list(self.tasks)
