@@ -12,6 +12,7 @@ from pathlib import Path
 from sao_megatron.core.config import ConfigError
 
 from .render import DEFAULT_TRAIN_COMMAND, JobPaths, load_launch_recipe, render_script, write_job
+from .validate import check_options, check_script_paths
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,8 +51,10 @@ def run(args) -> int:
     from .submit import submit
 
     args = _reparse(args)
+    check_options(args)
     recipe = load_launch_recipe(args.recipe, args.nodes, args.overrides)
     workdir = Path.cwd()
+    check_script_paths(workdir, (workdir / recipe.run_dir).resolve(), recipe.source)
     if args.dry_run:
         run_dir = (workdir / recipe.run_dir).resolve()
         paths = JobPaths(workdir, run_dir, run_dir / "resolved_recipe.toml", run_dir / "launch" / "job.sbatch")

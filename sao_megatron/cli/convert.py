@@ -36,10 +36,11 @@ def run(args) -> int:
     from checkpoints.mcore_io import mcore_dir_to_hf, save_mcore_dir
 
     try:
+        check_arguments(args)
         if args.direction == "hf-to-mcore":
+            check_config_matches_weights(args.hf_dir, args.arch)
             layout = ShardLayout(tp_size=args.tp, ep_size=args.ep, pp_size=args.pp, vpp_size=args.vpp,
-                                 etp_size=args.etp, padded_vocab_size=args.padded_vocab or _trainer_padding(args),
-                                 last_stage_layers=args.last_stage_layers)
+                                 etp_size=args.etp, padded_vocab_size=args.padded_vocab or _trainer_padding(args))
             out = save_mcore_dir(args.hf_dir, args.out_dir, layout, arch=args.arch)
         else:
             out = mcore_dir_to_hf(args.mcore_dir, args.out_dir, max_shard_mb=args.max_shard_mb)
@@ -48,6 +49,32 @@ def run(args) -> int:
         return 2
     print(f"wrote {out}")
     return 0
+
+
+def check_arguments(args) -> None:
+    """Sizes and limits before any file is read or written (a --tp 0 used to divide by zero)."""
+    if args.direction == "hf-to-mcore":
+        for flag in ("tp", "ep", "pp", "vpp"):
+            value = getattr(args, flag)
+            if value < 1:
+                raise ValueError(f"--{flag} {value}: a parallel size is at least 1; fix: pass --{flag} 1 or more")
+        for flag, value in (("etp", args.etp), ("padded-vocab", args.padded_vocab)):
+            if value < 0:
+                raise ValueError(f"--{flag} {value} is negative; fix: pass 0 (the default rule) or more")
+    elif not 0 < args.max_shard_mb < float("inf"):
+        raise ValueError(f"--max-shard-mb {args.max_shard_mb}: fix: pass a positive size in MiB (e.g. 4096)")
+
+
+def check_config_matches_weights(hf_dir: str, arch: str = "") -> None:
+    """Every tensor the conversion needs, with the shape config.json implies, read from the
+    safetensors headers before anything is written (checkpoints/hf_shapes.py)."""
+    from checkpoints.arch import spec_from_hf_config
+    from checkpoints.hf_io import HFCheckpoint
+    from checkpoints.hf_shapes import check_hf_shapes, header_shapes
+
+    hf = HFCheckpoint(hf_dir)
+    cfg = hf.config()
+    check_hf_shapes(header_shapes(hf), spec_from_hf_config(cfg, arch), cfg)
 
 
 def _trainer_padding(args) -> int:

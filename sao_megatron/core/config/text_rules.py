@@ -61,6 +61,9 @@ def slurm_seconds(field: str, value: str) -> int:
         raise ConfigError(field, f"{value!r} is not a slurm time limit",
                           "write HH:MM:SS, MM, MM:SS, D-HH, D-HH:MM or D-HH:MM:SS (e.g. '04:00:00')")
     days, a, b, c = (int(g) if g is not None else None for g in match.groups())
+    if any(x is not None and x >= 60 for x in (b, c)) or (days is not None and a >= 24):
+        raise ConfigError(field, f"{value!r} has a field out of range (minutes and seconds < 60, hours < 24 "
+                          "after days)", "write e.g. '04:00:00' or '1-12:00:00'")
     if days is not None:
         seconds = days * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
     elif c is not None:
