@@ -79,6 +79,8 @@ class RolloutDriver(EngineHealth):
         self._tasks: dict[str, asyncio.Task] = {}
         self._load = {n: 0 for n in names}
         self._dead: set[str] = set()
+        self._restarting: set[str] = set()           # engine_health.py: restarts in progress
+        self._awaiting_weights: set[str] = set()     # restarted, kept out until a weight update
         self._versions = {n: 0 for n in names}       # engine version as last known by the driver
         self._current_version = 0
         self._resumed: Optional[asyncio.Event] = None
@@ -193,6 +195,7 @@ class RolloutDriver(EngineHealth):
         flush = mode != "in_place"
         await asyncio.gather(*(self._control(e, settle_prefix_cache(e, self._versions[e.name], flush)) for e in live))
         await asyncio.gather(*(self._control(e, e.resume()) for e in live))
+        await self._catch_up(max((self._versions[e.name] for e in live), default=version))
         self._resumed.set()
         self._fill()
 

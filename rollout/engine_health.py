@@ -5,7 +5,10 @@ when a call fails (aborting the request it held), and bring dead engines back wh
 driver's state: ``engines`` {name: Generator}, ``_load`` {name: requests in flight}, ``_dead`` (names),
 ``_versions`` {name: weight version}, ``_update_lock`` (held through a weight update), ``counts``,
 ``_error`` and ``_progress`` (how a failure reaches get_batch), and the timing settings
-``probe_interval_s``, ``control_timeout_s``, ``stall_timeout_s``, ``engine_down_timeout_s``.
+``probe_interval_s``, ``control_timeout_s``, ``stall_timeout_s``, ``engine_down_timeout_s``, and the
+restart bookkeeping ``_restarting`` (names being started again: the all-down clock waits for them)
+and ``_awaiting_weights`` (restarted after the first weight update: kept out until an update gives
+them the current version, so no request runs on the initial weights).
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ class EngineHealth:
             live = [n for n in self.engines if n not in self._dead]
             if live:
                 return self.engines[min(live, key=lambda n: self._load[n])]
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline and not self._restarting:
                 if self._error is None:
                     self._error = DriverError(self._down_message())
                 self._progress.set()
@@ -48,12 +51,32 @@ class EngineHealth:
         with contextlib.suppress(*ENGINE_FAILURES):   # best effort: the engine may be gone
             await asyncio.wait_for(engine.abort(rid), min(self.control_timeout_s, 5.0))
 
+    def engine_restarting(self, name: str) -> None:
+        """A supervisor is starting engine `name` again (trainer/engines.py): it is dead meanwhile."""
+        self._dead.add(name)
+        self._restarting.add(name)
+
+    def engine_restarted(self, name: str, ok: bool) -> None:
+        """The restart ended. A new process serves the initial weights: after the first weight update
+        it waits for the next update before the probe may bring it back."""
+        self._restarting.discard(name)
+        if ok and max(self._versions.values()) > 0:
+            self._awaiting_weights.add(name)
+
+    async def _catch_up(self, version) -> None:
+        """After a weight update: engines restarted meanwhile that now serve `version` may come back."""
+        for name in sorted(self._awaiting_weights if version is not None else ()):
+            engine = self.engines[name]
+            with contextlib.suppress(*ENGINE_FAILURES):
+                if await asyncio.wait_for(engine.weight_version(), self.control_timeout_s) == version:
+                    self._awaiting_weights.discard(name)
+
     async def _probe_loop(self) -> None:
         while self._running:
             await asyncio.sleep(self.probe_interval_s)
             if self._update_lock.locked():   # /health generates: it would wait on a paused engine
                 continue
-            for name in sorted(self._dead):
+            for name in sorted(self._dead - self._restarting - self._awaiting_weights):
                 engine = self.engines[name]
                 try:
                     healthy = await asyncio.wait_for(engine.health(), self.probe_interval_s * 5)

@@ -52,7 +52,7 @@ async def build_components(recipe: Recipe, rank: int = 0, world_size: int = 1) -
     debug = recipe.run.debug
     async with contextlib.AsyncExitStack() as stack:
         policy, critic = _build_models(recipe, with_critic=debug != "rollout-only")
-        tokenizer = sink = samples = None
+        tokenizer = sink = samples = restarts = None
         engines = []
         if rank == 0:
             from transformers import AutoTokenizer
@@ -64,7 +64,7 @@ async def build_components(recipe: Recipe, rank: int = 0, world_size: int = 1) -
 
                 samples = SavedRollouts(recipe.run.debug_dir)
             else:
-                engines, samples = await _build_rollout(recipe, tokenizer, stack)
+                engines, samples, restarts = await _build_rollout(recipe, tokenizer, stack)
         driver = samples
         if debug == "rollout-only":
             from rollout.dump import DumpingSource
@@ -75,6 +75,9 @@ async def build_components(recipe: Recipe, rank: int = 0, world_size: int = 1) -
             from .weight_updates import build_weight_updates
 
             weights = build_weight_updates(recipe, policy, engines, driver, rank, world_size)
+            if restarts is not None:
+                weights.restarts = restarts
+                restarts.senders.append(weights.weight_sync)
         checkpoints = Checkpoints(recipe, rank, world_size, saves=debug == "none")
         if samples is not None:
             stack.push_async_callback(samples.stop)
@@ -100,7 +103,8 @@ def _build_models(recipe: Recipe, with_critic: bool):
 
 
 async def _build_rollout(recipe: Recipe, tokenizer, stack: contextlib.AsyncExitStack):
-    """Rank 0's engines (closed, and stopped if started here, on the way out) and the rollout driver."""
+    """Rank 0's engines (closed, and stopped if started here, on the way out), the rollout driver, and
+    the restarts of the engines started here (None when there are none, or rollout.engine_restarts = 0)."""
     from rollout.driver import RolloutDriver
     from rollout.prompts import build_prompt_source
     from rollout.rewards import resolve_reward_fn
@@ -121,7 +125,14 @@ async def _build_rollout(recipe: Recipe, tokenizer, stack: contextlib.AsyncExitS
         filters.append(nonzero_reward_variance)
     driver = RolloutDriver(engines, source, resolve_reward_fn(rollout), rollout, tokenizer,
                            seed=recipe.run.seed, filters=filters)
-    return engines, driver
+    restarts = None
+    if handles and rollout.engine_restarts > 0:
+        from .engine_restarts import EngineRestarts
+
+        restarts = EngineRestarts(recipe, engines, handles, driver, recipe.run_dir)
+        restarts.start()
+        stack.push_async_callback(restarts.stop)
+    return engines, driver, restarts
 
 
 def _build_sink(recipe: Recipe, stack: contextlib.AsyncExitStack):

@@ -43,9 +43,11 @@ def engine_clients(recipe: Recipe, urls: list[str], api_key: str) -> list:
                          **shape) for i, url in enumerate(urls)]
 
 
-def _launch_engine(recipe: Recipe, index: int, api_key: str, run_dir: Path):
+def _launch_engine(recipe: Recipe, index: int, api_key: str, run_dir: Path, port: int | None = None):
+    """Engine `index` on `port` (a restart passes the old one, so its client keeps working)."""
     rollout = recipe.rollout
-    port = rollout.port + index if rollout.port else 0
+    if port is None:
+        port = rollout.port + index if rollout.port else 0
     if rollout.engine == "reference":
         from rollout.reference_server import launch_local
 

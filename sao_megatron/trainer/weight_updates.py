@@ -29,6 +29,7 @@ class WeightUpdates:
     def __init__(self, recipe: Recipe, policy, engines: list, driver, sender, rank: int = 0, world_size: int = 1):
         self.recipe, self.policy, self.engines, self.driver = recipe, policy, engines, driver
         self.weight_sync = sender            # None on ranks that do not send
+        self.restarts = None                 # engine_restarts.EngineRestarts on the driver rank, if any
         self.rank, self.world_size, self.is_driver = rank, world_size, rank == 0
 
     async def sync(self, version: int) -> dict:
@@ -59,6 +60,8 @@ class WeightUpdates:
         async with contextlib.AsyncExitStack() as window:
             if self.is_driver:
                 try:
+                    if self.restarts is not None:   # a restarting engine joins this update, not half of it
+                        await self.restarts.settled.wait()
                     await self._open_window(window, version, pause)
                 except BaseException as err:
                     self._senders_go(error=f"{type(err).__name__}: {err}")

@@ -321,3 +321,78 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+# ---- 6. an engine that dies mid-run: restarted when started here, in-flight requests re-issued -----
+def test_restarted_engine_waits_out_of_rotation_until_a_weight_update_gives_it_the_current_version(tmp_path):
+    e0, e1 = ScriptedEngine("e0", token_time_s=0.001, version=1), ScriptedEngine("e1", token_time_s=0.001, version=1)
+    run = Run(tmp_path, [e0, e1], steps=1)
+    driver = run.driver
+
+    async def main():
+        await driver.start()
+        await driver.get_batch(4, current_version=1)
+        e1.version = 0                           # a new process: the initial weights
+        driver.engine_restarting("e1")
+        driver.engine_restarted("e1", ok=True)
+        before = len(e1.rids)
+        await driver.get_batch(4, current_version=1)
+        await asyncio.sleep(0.2)                 # probes pass /health, yet e1 stays out
+        assert "e1" in driver._dead and len(e1.rids) == before
+        async with driver.weight_update("abort"):
+            e0.version = e1.version = 2          # the update reaches the restarted engine too
+        while "e1" in driver._dead:              # the probe brings it back now
+            await asyncio.sleep(0.01)
+        batch = []
+        while len(e1.rids) == before:
+            batch += await driver.get_batch(4, current_version=2)
+        await driver.stop()
+        return before, batch
+
+    before, batch = asyncio.run(asyncio.wait_for(main(), GENEROUS_S))
+    assert e1.version == 2 and all(set(s.weight_versions) <= {1, 2} for s in batch)   # never version 0
+
+
+def test_locally_started_engine_killed_mid_collection_is_restarted_and_nothing_is_lost(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from sao_megatron.trainer.engine_restarts import EngineRestarts
+    from sao_megatron.trainer.engines import start_engines
+
+    recipe = load_recipe(None, [f"model.path='{tiny_model_dir}'", f"run.output_dir='{tmp_path}'", "run.name='restart'",
+                                "rollout.task='arithmetic'", "rollout.batch_size=4", "rollout.max_in_flight=4",
+                                "rollout.max_new_tokens=8", "rollout.engine_restarts=1"], check_files=False)
+    recipe.run_dir.mkdir(parents=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+    async def main():
+        engines, handles = await start_engines(recipe, recipe.run_dir)
+        driver = RolloutDriver(engines, build_prompt_source(recipe.rollout, tokenizer, seed=0, num_problems=64),
+                               resolve_reward_fn(recipe.rollout), recipe.rollout, tokenizer, seed=0,
+                               probe_interval_s=0.1)
+        restarts = EngineRestarts(recipe, engines, handles, driver, recipe.run_dir)
+        try:
+            await driver.start()
+            restarts.start()
+            first = await driver.get_batch(4, current_version=0)
+            while not driver._active:
+                await asyncio.sleep(0.001)
+            in_flight = set(driver._active)
+            old_pid = handles[0].process.pid
+            os.kill(old_pid, signal.SIGKILL)
+            second = await asyncio.wait_for(driver.get_batch(4, current_version=0), GENEROUS_S * 2)
+            new_pid = restarts.slots[engines[0].name][1].process.pid
+            return first, second, in_flight, old_pid, new_pid, restarts.restarts, driver.state_dict(), driver.counts
+        finally:
+            await driver.stop()
+            await restarts.stop()
+            for engine in engines:
+                await engine.close()
+
+    first, second, in_flight, old_pid, new_pid, restarted, state, counts = asyncio.run(main())
+    assert len(restarted) == 1 and restarted[0].startswith("engine0@")
+    assert new_pid != old_pid and counts["engine_errors"] >= 1
+    reissued = [s for s in second if int(s.metadata.get("attempts", 0)) > 1]
+    assert reissued, "no sample in flight at the kill was re-issued"
+    assert in_flight <= {s.uid for s in second} | set(saved_uids(state))   # each one finished or still held
+    assert_each_prompt_once(state, [s.uid for s in first + second], [])

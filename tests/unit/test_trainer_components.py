@@ -87,7 +87,7 @@ def _build(tiny_model_dir, tmp_path, monkeypatch, debug: str, extra=()):
     source = CountingSource()
 
     async def fake_rollout(recipe, tokenizer, stack):
-        return ["engine"], source
+        return ["engine"], source, None
 
     monkeypatch.setattr(components_mod, "_build_rollout", fake_rollout)
     recipe = load_recipe(None, [f"model.path='{tiny_model_dir}'", f"run.output_dir='{tmp_path}'",
