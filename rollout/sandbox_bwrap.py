@@ -32,18 +32,24 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from sao_megatron.core.config.errors import ConfigError
+
 SANDBOX_DIR = "/sandbox"
-INSTALL_HINT = "install bubblewrap (apt-get install -y bubblewrap)"
 UNSAFE = "unsafe-no-isolation"
-OPT_OUT = f'or set rollout.sandbox = "{UNSAFE}" to run model-written code without OS isolation'
+FIX = (f'install bubblewrap (apt-get install -y bubblewrap), or set rollout.sandbox = "{UNSAFE}" to run '
+       "model-written code without OS isolation")
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": SANDBOX_DIR, "PYTHONDONTWRITEBYTECODE": "1",
        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "LANG": "C.UTF-8"}
 # uids the sandbox runs as when we are root: far above any real account, never 65534 (nobody)
 UID_BASE, UID_SPAN = 3_000_000, 1_000_000_000
 
 
-class SandboxUnavailable(RuntimeError):
-    """The OS isolation the sandbox needs is missing or does not work here (one-line message)."""
+class SandboxUnavailable(ConfigError):
+    """The OS isolation the sandbox needs is missing or does not work here: a one-line recipe error
+    naming rollout.sandbox, raised before any untrusted code runs."""
+
+    def __init__(self, problem: str):
+        super().__init__("rollout.sandbox", problem, FIX)
 
 
 def is_root() -> bool:
@@ -155,7 +161,7 @@ def bwrap_problem() -> Optional[str]:
     """None when bwrap isolates here, else the one-line reason (probed once per process)."""
     missing = [tool for tool in ("bwrap", "prlimit") + (("setpriv",) if is_root() else ()) if not shutil.which(tool)]
     if missing:
-        return f"{', '.join(missing)} not found, so model-written code cannot be isolated; {INSTALL_HINT} {OPT_OUT}"
+        return f"{', '.join(missing)} not found, so model-written code cannot be isolated"
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="sao-sandbox-probe-") as tmp:
@@ -167,10 +173,10 @@ def bwrap_problem() -> Optional[str]:
         try:
             proc = subprocess.run(cmd, capture_output=True, timeout=60, env=ENV, stdin=subprocess.DEVNULL)
         except (OSError, subprocess.TimeoutExpired) as exc:
-            return f"bwrap did not run ({exc}); {OPT_OUT}"
+            return f"bwrap did not run ({exc})"
     if proc.returncode != 0:
         err = (proc.stderr.decode(errors="replace").strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-        return f"bwrap cannot create the sandbox here ({err}); {OPT_OUT}"
+        return f"bwrap cannot create the sandbox here ({err})"
     return None
 
 
