@@ -1,6 +1,9 @@
-"""Locally generated tasks and their checkers: arithmetic, countdown, copy, digits.
+"""Locally generated tasks and their checkers: arithmetic, chain (with a difficulty knob), countdown,
+copy, digits.
 
-Each task makes problems from a seeded RNG (no download) and scores a response in [0, 1]. They are
+Each task makes problems from a seeded RNG (no download) and scores a response in [0, 1]; `exact`
+says whether a response is exactly correct (the rollout/accuracy metric), and `solution` gives the
+reference response that `sao sft` trains on. They are
 sized for the tiny char-level model (one token per character, ~8-32 new tokens): answers are short
 and the scores give partial credit, so a randomly initialised policy sees a non-zero reward signal
 from its first samples and RL can climb from there.
@@ -9,6 +12,11 @@ Scores (r = response with surrounding whitespace stripped):
 - arithmetic ("a+b=" / "a-b=", answer a single digit 0-9):
   1.0 if r == answer; 0.5 if r starts with the answer (right digit, trailing text);
   0.1 if r starts with another digit (the format is right); else 0.
+- chain ("chain:K:D": K chained + / - operations on numbers of up to D digits, e.g. "chain:2:1" ->
+  "7+5-3="; every partial result stays >= 0; "chain" alone is chain:1:1):
+  1.0 if r == answer; else, when r is a number, 0.5 * (characters equal at equal positions) /
+  max(len(r), len(answer)); else 0. Raising K or D lengthens the answer and the work, so the family
+  keeps headroom for a model that has mastered an easier level.
 - countdown (reach `target` with + - * and each given number at most once):
   1.0 if the expression is valid and equals target; 0.1 if it is a valid expression over the
   allowed numbers with another value; else 0.
@@ -26,7 +34,7 @@ import re
 import string
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,31 @@ def score_arithmetic(response: str, label: str) -> float:
     if r[:1].isdigit():
         return 0.1
     return 0.0
+
+
+def make_chain(rng: random.Random, ops: int = 1, digits: int = 1) -> Problem:
+    """`ops` chained + / - operations on numbers below 10**digits; no partial result is negative."""
+    top = 10 ** digits
+    total = rng.randrange(top)
+    text = str(total)
+    for _ in range(ops):
+        if total > 0 and rng.random() < 0.5:
+            n = rng.randrange(min(total, top - 1) + 1)
+            total, text = total - n, f"{text}-{n}"
+        else:
+            n = rng.randrange(top)
+            total, text = total + n, f"{text}+{n}"
+    return Problem(f"{text}=", str(total), {"task": f"chain:{ops}:{digits}"})
+
+
+def score_chain(response: str, label: str) -> float:
+    r = response.strip()
+    if r == label:
+        return 1.0
+    if not re.fullmatch(r"-?[0-9]+", r):
+        return 0.0
+    same = sum(a == b for a, b in zip(r, label))
+    return 0.5 * same / max(len(r), len(label))
 
 
 def make_countdown(rng: random.Random, count: int = 3) -> Problem:
@@ -125,22 +158,57 @@ def make_digits(rng: random.Random) -> Problem:
     return Problem(f"{rng.choice(string.ascii_lowercase)}:", "digits", {"task": "digits"})
 
 
+def _stripped_equal(response: str, label: Any) -> bool:
+    return response.strip() == str(label)
+
+
+def _countdown_solution(label: dict) -> str:
+    raise ValueError("task countdown has no stored reference solution; use a jsonl of prompt/response pairs")
+
+
 @dataclass(frozen=True)
 class Task:
     name: str
     make: Callable[[random.Random], Problem]
     score: Callable[[str, Any], float]
+    exact: Optional[Callable[[str, Any], bool]] = None      # None: exactly correct means score == 1.0
+    solution: Callable[[Any], str] = str                     # label -> the reference response
+
+    def is_exact(self, response: str, label: Any) -> bool:
+        if self.exact is not None:
+            return self.exact(response, label)
+        return self.score(response, label) >= 1.0
 
 
 TASKS: dict[str, Task] = {
-    "arithmetic": Task("arithmetic", make_arithmetic, score_arithmetic),
-    "countdown": Task("countdown", make_countdown, score_countdown),
-    "copy": Task("copy", make_copy, score_copy),
-    "digits": Task("digits", make_digits, style_score),
+    "arithmetic": Task("arithmetic", make_arithmetic, score_arithmetic, _stripped_equal),
+    "countdown": Task("countdown", make_countdown, score_countdown, solution=_countdown_solution),
+    "copy": Task("copy", make_copy, score_copy, _stripped_equal),
+    "digits": Task("digits", make_digits, style_score, solution=lambda label: "7"),
 }
+MAX_CHAIN_OPS, MAX_CHAIN_DIGITS = 8, 6
+
+
+def chain_task(ops: int = 1, digits: int = 1) -> Task:
+    if not (1 <= ops <= MAX_CHAIN_OPS and 1 <= digits <= MAX_CHAIN_DIGITS):
+        raise ValueError(f"rollout.task: chain:{ops}:{digits} is out of range; use chain:K:D with K in "
+                         f"1..{MAX_CHAIN_OPS} operations and D in 1..{MAX_CHAIN_DIGITS} digits")
+    return Task(f"chain:{ops}:{digits}", lambda rng: make_chain(rng, ops, digits), score_chain, _stripped_equal)
 
 
 def get_task(name: str) -> Task:
+    """A built-in task by name; "chain:K:D" picks the chain family's difficulty (K ops, D digits)."""
+    if name == "chain" or name.startswith("chain:"):
+        return chain_task(*_chain_level(name))
     if name not in TASKS:
-        raise ValueError(f"rollout.task: unknown task {name!r}; use one of {sorted(TASKS)} or 'online'")
+        raise ValueError(f"rollout.task: unknown task {name!r}; use one of {sorted(TASKS)}, chain:K:D or 'online'")
     return TASKS[name]
+
+
+def _chain_level(name: str) -> tuple[int, int]:
+    parts = name.split(":")[1:]
+    if len(parts) > 2 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"rollout.task: {name!r} is not chain:K:D; write e.g. chain:2:1 (2 operations, 1-digit numbers)")
+    ops = int(parts[0]) if parts else 1
+    digits = int(parts[1]) if len(parts) > 1 else 1
+    return ops, digits

@@ -10,10 +10,13 @@ from sao_megatron.core.records import AdvantageBatch, LossInputs, LossOutputs, S
 def compute_step_advantages(cfg: AlgorithmConfig, batch: AdvantageBatch):
     """Advantages [B, R], critic returns [B, R] (or None) and metrics for one batch of samples."""
     from sao_megatron.algorithms import compute_advantages
+    from sao_megatron.metrics.learning import critic_prediction_metrics
 
-    return compute_advantages(cfg, token_rewards=batch.token_rewards, mask=batch.mask, values=batch.values,
-                              seq_rewards=batch.seq_rewards, group_ids=batch.group_ids,
-                              response_lengths=batch.response_lengths, baseline=batch.baseline)
+    advantages, returns, metrics = compute_advantages(
+        cfg, token_rewards=batch.token_rewards, mask=batch.mask, values=batch.values, seq_rewards=batch.seq_rewards,
+        group_ids=batch.group_ids, response_lengths=batch.response_lengths, baseline=batch.baseline)
+    # the critic's values here predate its update on this batch: an out-of-sample check of the critic
+    return advantages, returns, {**metrics, **critic_prediction_metrics(batch.values, returns, batch.mask)}
 
 
 def policy_loss_fn(cfg: AlgorithmConfig, norm_len: float):
@@ -50,12 +53,15 @@ def value_loss_fn(cfg: CriticConfig):
 
 def rollout_metrics(samples: list[Sample], version: int) -> dict:
     """rollout/* numbers of the samples a step trained on."""
+    from sao_megatron.metrics.learning import accuracy
+
     rewards = torch.tensor([float(s.reward or 0.0) for s in samples])
     lengths = torch.tensor([float(len(s.response_ids)) for s in samples])
     stale = torch.tensor([float(s.staleness(version)) for s in samples])
     return {
         "rollout/raw_reward": rewards.mean().item(),
         "rollout/raw_reward_std": rewards.std().item() if len(samples) > 1 else 0.0,
+        "rollout/accuracy": accuracy(samples),
         "rollout/response_len": lengths.mean().item(),
         "rollout/response_len_max": lengths.max().item(),
         "rollout/staleness": stale.mean().item(),
