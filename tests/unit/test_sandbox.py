@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import threading
 
@@ -12,6 +13,8 @@ from rollout.rewards.code import code_reward, extract_program
 from rollout.sandbox import SandboxLimits, run_python
 from sao_megatron.core.records import Sample
 
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None and not os.environ.get("CI"),
+                                reason="bubblewrap is not installed (apt-get install -y bubblewrap); CI has it")
 FAST = SandboxLimits(wall_time_s=20, cpu_time_s=2, memory_mb=512, file_size_mb=1)
 
 
