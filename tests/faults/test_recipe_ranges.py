@@ -151,6 +151,8 @@ BAD_VALUES = [
     ('launch.env={A="x\\ny"}', "launch.env.A"),
     ("launch.env={A={b=1}}", "launch.env.A"),
     ("run.debug='train-only'", "run.debug_dir"),
+    ("model.init_preset='huge'", "model.init_preset"),
+    ("model.shape_preset='qwen9-1t'", "model.shape_preset"),
 ]
 
 

@@ -17,11 +17,13 @@ from .errors import ConfigError
 
 TASK_LOOKUP = "rollout.rewards.tasks:get_task"
 AGENTIC_EVALS = "sao_megatron.evaluation.runner:AGENTIC_EVALS"
+FAMILIES = "checkpoints.arch:ARCHS"
 ONLINE_TASK = "online"   # the changing environment (rollout/environments.py), not in the task table
 
 
 def check_installed(recipe) -> None:
     rollout = recipe.rollout
+    check_model_presets(recipe.model)
     if rollout.task and not rollout.dataset:
         check_task("rollout.task", rollout.task)
     for name, path in (("rollout.reward_fn", rollout.reward_fn), ("algorithm.loss", _custom(recipe.algorithm.loss))):
@@ -45,6 +47,20 @@ def check_task(field: str, name: str) -> None:
         problem, _, fix = str(err).partition("; ")
         raise ConfigError(field, problem.removeprefix("rollout.task: "),
                           fix or "use a built-in task such as 'countdown'") from None
+
+
+def check_model_presets(model) -> None:
+    """model.init_preset names one of the family's init-model presets (it is used only when model.path
+    has no config.json, after the run directory exists); model.shape_preset one of its named shapes.
+    An unregistered model.arch is left to checkpoints.arch.check_recipe_arch, which names it."""
+    family = resolve_import_path(FAMILIES, "model.arch").get(model.arch)
+    if family is None:
+        return
+    for field, value, known in (("model.init_preset", model.init_preset, family.presets),
+                                ("model.shape_preset", model.shape_preset, family.shapes)):
+        if value and value not in known:
+            raise ConfigError(field, f"{value!r} is not a {model.arch} {field.split('.')[1].replace('_', ' ')}",
+                              f"use one of {', '.join(sorted(known)) or '(none)'} (checkpoints/arch/{model.arch}.py)")
 
 
 def check_eval_source(source: str) -> None:
