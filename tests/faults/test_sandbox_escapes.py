@@ -241,3 +241,17 @@ def test_without_bwrap_untrusted_code_is_refused_naming_the_recipe_field(monkeyp
         assert r.ok and r.stdout == "1\n" and r.isolation == "unsafe-no-isolation"
     finally:
         sandbox_bwrap.bwrap_problem.cache_clear()
+
+
+def test_the_recipe_field_reaches_the_reward_and_an_exit_scores_zero_through_apply_reward():
+    from rollout.rewards import apply_reward, resolve_reward_fn
+    from sao_megatron.core.config.schema import RolloutConfig
+
+    fn = resolve_reward_fn(RolloutConfig(reward_fn="rollout.rewards.code:code_reward"))
+    assert isinstance(fn, CodeReward) and fn.limits.isolation == "bwrap"
+    unsafe = resolve_reward_fn(RolloutConfig(reward_fn="rollout.rewards.code:code_reward",
+                                             sandbox="unsafe-no-isolation"))
+    assert unsafe.limits.isolation == "unsafe-no-isolation"
+    sample = Sample(uid="p0", prompt_index=0, prompt_ids=[1], label="assert add(2, 3) == 5",
+                    response_text=f"```python\n{WRONG}import os\nos._exit(0)\n```")
+    assert asyncio.run(apply_reward(fn, sample, timeout_s=120)) and sample.reward == 0.0
