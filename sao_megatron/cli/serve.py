@@ -1,8 +1,12 @@
 """`sao serve`: run the reference rollout server (SGLang HTTP protocol, HF transformers on CPU).
 
-    sao serve --model DIR --host 127.0.0.1 --port 30000 --api-key KEY [--max-batch 64]
+    SAO_API_KEY=KEY sao serve --model DIR --host 127.0.0.1 --port 30000 [--max-batch 64]
 
-Flags are those of `python -m rollout.reference_server` (rollout/reference_server/server.py).
+The key travels in $SAO_API_KEY (``--api-key`` works too, but `ps` shows a command line to every
+user); without one the weight and control routes answer 403 unless ``--insecure``. Flags are those
+of `python -m rollout.reference_server` (rollout/reference_server/server.py). Exit codes: 0 after
+SIGTERM/SIGINT, 2 for a bad flag (one line, before the model loads), 1 when the server fails
+(scheduler error, failed warmup): one line naming the cause.
 """
 from __future__ import annotations
 
