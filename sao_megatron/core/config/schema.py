@@ -32,7 +32,8 @@ def _require(cond: bool, name: str, problem: str, fix: str) -> None:
 
 @dataclass
 class RunConfig:
-    name: str = doc("sao-run", "Run name; the run directory is <output_dir>/<name>.")
+    name: str = doc("sao-run", "Run name; the run directory is <output_dir>/<name>. Letters, digits, '.', '_' "
+                               "and '-', starting with a letter or digit (never '.', '..' or a path).")
     output_dir: str = doc("runs", "Parent directory of run directories.")
     seed: int = doc(1234, "Global seed for sampling, data order and initialisation.", bounds="[0, 2147483647]")
     num_steps: int = doc(100, "Optimizer steps of the policy (critic warm-up steps not included).", bounds=">= 0")
@@ -89,7 +90,9 @@ class ParallelConfig:
     dp: int = doc(0, "Data parallel size; 0 = world_size / (tp*pp*cp).", bounds=">= 0")
     world_size: int = doc(0, "Trainer ranks; 0 = tp*pp*cp*max(dp,1).", bounds=">= 0")
     sequence_parallel: bool = doc(True, "Sequence parallel under TP (forced on for MoE with tp > 1).")
-    micro_batch_tokens: int = doc(4096, "Token budget of one packed micro-batch.", bounds=">= 16")
+    micro_batch_tokens: int = doc(4096, "Token budget of one packed micro-batch per context-parallel rank; at "
+                                         "least one whole sequence, (max_prompt_len + max_new_tokens) / cp.",
+                                   bounds=">= 16")
     dispatcher: Literal["alltoall", "allgather"] = doc("alltoall", "MoE token dispatcher.")
     distributed_optimizer: bool = doc(False, "Megatron distributed optimizer (GPU).")
     optimizer_offload: bool = doc(False, "Adam state and fp32 master weights on the host, updated by CPU Adam "
@@ -138,7 +141,7 @@ class RolloutConfig:
     max_in_flight: int = doc(32, "Requests kept in flight across all engines.", bounds=">= 1")
     temperature: float = doc(1.0, "Sampling temperature (> 0; RL needs a stochastic policy).", bounds="> 0")
     top_p: float = doc(1.0, "Nucleus sampling p in (0, 1].", bounds="(0, 1]")
-    top_k: int = doc(-1, "Top-k sampling; -1 = off.", bounds=">= -1")
+    top_k: int = doc(-1, "Top-k sampling; -1 = off, else k >= 1 (0 would keep no token).", bounds=">= -1")
     max_new_tokens: int = doc(64, "Response token budget per turn.", bounds=">= 1")
     max_prompt_len: int = doc(256, "Prompts longer than this are rejected by policy bad_row.", bounds=">= 1")
     staleness_bound: int = doc(4, "Drop/regenerate samples whose oldest token is more than tau versions old.",
@@ -150,7 +153,8 @@ class RolloutConfig:
     env_switch_every: int = doc(50, "Task 'online': the rewarded rule switches every this many trainer steps.",
                                 bounds=">= 1")
     bad_row: Literal["skip", "fail"] = doc("skip", "A malformed dataset row is reported and skipped, or fails the run.")
-    reward_fn: str = doc("", "Reward function import path 'pkg.mod:fn'; '' = the task's own.")
+    reward_fn: str = doc("", "Reward function import path 'pkg.mod:fn' (imported when the recipe is checked); "
+                             "'' = the task's own.")
     reward_timeout_s: float = doc(10.0, "Timeout of one reward call; a timeout marks the sample failed.",
                                   bounds="(0, 86400]")
     sandbox: Literal["bwrap", "unsafe-no-isolation"] = doc(
@@ -305,7 +309,9 @@ class WeightSyncConfig:
 class CheckpointConfig:
     interval: int = doc(0, "Save every N steps (0 = only at the end and on a signal).", bounds=">= 0")
     keep_last: int = doc(2, "Checkpoints kept.", bounds=">= 1")
-    resume: str = doc("auto", "auto = latest in the run dir if any; never; or a checkpoint path.")
+    resume: str = doc("auto", "auto = the newest checkpoint in the run dir that verifies (a corrupted newer one "
+                              "is skipped, named on stderr); never; or a checkpoint path (verified whole before "
+                              "any model is built).")
     save_on_signal: bool = doc(True, "SIGTERM/SIGUSR1 save at the next safe point, then exit cleanly.")
     format: Literal["distributed", "per_rank"] = doc(
         "distributed", "Policy/critic state: Megatron distributed checkpoint (resume under another layout) "
@@ -365,11 +371,12 @@ class LaunchConfig:
     trainer_nodes: int = doc(0, "Nodes for trainer ranks (0 = nodes - rollout_nodes).", bounds=">= 0")
     rollout_nodes: int = doc(0, "Nodes for rollout engines (0 = colocated with the trainer).", bounds=">= 0")
     gpus_per_node: int = doc(8, "GPUs per node (0 on CPU).", bounds=">= 0")
-    partition: str = doc("", "slurm partition.")
+    partition: str = doc("", "slurm partition (letters, digits, '_', '.', '-', ','; nothing else reaches the script).")
     account: str = doc("", "slurm account.")
-    time_limit: str = doc("04:00:00", "slurm --time.")
+    time_limit: str = doc("04:00:00", "slurm --time: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS.")
     requeue: bool = doc(True, "Requeue on preemption (checkpoint on SIGUSR1 first).")
-    signal_seconds: int = doc(120, "Seconds before the time limit that slurm sends SIGUSR1.", bounds=">= 0")
+    signal_seconds: int = doc(120, "Seconds before the time limit that slurm sends SIGUSR1 (below the time limit "
+                                  "and slurm's 65535).", bounds=">= 0")
     container: str = doc("", "Container image for srun --container-image ('' = none).")
     env: dict = doc({}, "Extra environment for every rank (e.g. NCCL settings).")
     python: str = doc("python", "Python interpreter on the nodes.")
