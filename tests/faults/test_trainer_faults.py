@@ -396,3 +396,54 @@ def test_locally_started_engine_killed_mid_collection_is_restarted_and_nothing_i
     assert reissued, "no sample in flight at the kill was re-issued"
     assert in_flight <= {s.uid for s in second} | set(saved_uids(state))   # each one finished or still held
     assert_each_prompt_once(state, [s.uid for s in first + second], [])
+
+
+# ---- 7. `sao train` itself: SIGTERM mid-collection exits 0 with the step saved; a fault is one line
+REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+def _sao_train(tmp, *overrides, env=None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "sao_megatron.cli.main", "train", str(REPO / "recipes" / "tiny_moe_cpu.toml"),
+           f"run.output_dir='{tmp}'", "run.name='e2e'", f"model.path='{tmp / 'model'}'", "rollout.batch_size=4",
+           "rollout.max_in_flight=4", "logging.wandb=false", "logging.plot=false", "logging.console=false",
+           "critic.warmup_steps=0", *overrides]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def test_sao_train_sigterm_during_collection_saves_and_exits_0(tmp_path):
+    marker = tmp_path / "collecting"
+    proc = _sao_train(tmp_path, "rollout.reward_fn='tests.faults.fault_rewards:hang_after_marking'",
+                      "rollout.reward_timeout_s=3600", env={"SAO_FAULT_MARKER": str(marker)})
+    try:
+        deadline = time.monotonic() + 600
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert marker.exists(), proc.communicate(timeout=60)[1][-3000:]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=GENEROUS_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "done: stopped by SIGTERM during collection after step 0, checkpoint saved" in err
+    ckpt = tmp_path / "e2e" / "checkpoints"
+    assert (ckpt / "latest").read_text() == "step_00000000"
+    driver = torch.load(ckpt / "step_00000000" / "driver.rank00000.pt", weights_only=False)
+    assert driver["work"] and all(d["reward"] is None for d in driver["work"])   # in flight, kept for the resume
+
+
+def test_sao_train_reward_failing_every_sample_exits_1_with_one_line(tmp_path):
+    proc = _sao_train(tmp_path, "rollout.reward_fn='tests.faults.fault_rewards:always_raise'",
+                      "rollout.max_failed_in_a_row=6")
+    try:
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: 6 samples failed in a row (rollout.max_failed_in_a_row=6); last: reward raised "
+                           "RuntimeError: the reward service is down"), last
+    assert "Traceback" not in err
+    assert (tmp_path / "e2e" / "checkpoints" / "latest").read_text() == "step_00000000"
