@@ -12,12 +12,14 @@ environment (the reward sandbox) is out of reach here and kills its own process 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
 import subprocess
 import sys
 import time
+from typing import Iterator, Sequence
 
 REAP_ENV = "SAO_REAP_TOKEN"
 
@@ -45,6 +47,42 @@ def reap_descendants_at_exit() -> bool:
                      start_new_session=True, close_fds=True)
     os.environ[REAP_ENV] = token
     return True
+
+
+def children_of(pid: int) -> list[int]:
+    """The direct children of `pid` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == pid:
+            found.append(int(entry))
+    return found
+
+
+@contextlib.contextmanager
+def forward_signals_to_children(pid: int, signals: Sequence[int]) -> Iterator[None]:
+    """While inside, `signals` reaching this process go to the children of `pid` instead.
+
+    For a launcher (torchrun, mpirun) whose children are the ranks: each rank handles a preemption
+    signal itself (save, exit 0), where torchrun would kill its workers on SIGTERM after 30 s and
+    die at once on SIGUSR1. Main thread only (Python's signal rule)."""
+    def forward(signum, frame) -> None:
+        for child in children_of(pid):
+            with contextlib.suppress(OSError):
+                os.kill(child, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def token_holders(token: str) -> list[int]:

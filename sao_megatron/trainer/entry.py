@@ -63,7 +63,12 @@ def launch_local_ranks(recipe: Recipe, resolved: Path, world: int) -> int:
         raise ConfigError("parallel.launcher", f"world_size {world} needs a launcher, got 'none'",
                           "set parallel.launcher = 'torchrun' or start the ranks yourself")
     print(f"launching {world} ranks: {' '.join(cmd)}", file=sys.stderr)
-    return subprocess.call(cmd)
+    from checkpoints.preemption import DEFAULT_SIGNALS
+    from sao_megatron.core.processes import forward_signals_to_children
+
+    launcher_proc = subprocess.Popen(cmd)
+    with forward_signals_to_children(launcher_proc.pid, DEFAULT_SIGNALS):   # the ranks save, then exit 0
+        return launcher_proc.wait()
 
 
 def run_rank(recipe: Recipe) -> int:

@@ -447,3 +447,49 @@ def test_sao_train_reward_failing_every_sample_exits_1_with_one_line(tmp_path):
                            "RuntimeError: the reward service is down"), last
     assert "Traceback" not in err
     assert (tmp_path / "e2e" / "checkpoints" / "latest").read_text() == "step_00000000"
+
+
+# ---- 8. local multi-rank: a preemption signal reaches the ranks, not the launcher ------------------
+FAKE_RANK = textwrap.dedent("""
+    import signal, sys, time
+    from pathlib import Path
+    def saved(signum, frame):
+        Path(sys.argv[1]).write_text(signal.Signals(signum).name)   # 'checkpoint', then a clean exit
+        sys.exit(0)
+    signal.signal(signal.SIGUSR1, saved)
+    signal.signal(signal.SIGTERM, saved)
+    Path(sys.argv[1] + ".ready").touch()
+    time.sleep(600)
+    sys.exit(3)
+""")
+FAKE_LAUNCHER = textwrap.dedent("""
+    import subprocess, sys
+    ranks = [subprocess.Popen([sys.executable, sys.argv[1], f"{sys.argv[2]}/rank{r}"]) for r in range(2)]
+    sys.exit(max(p.wait() for p in ranks))      # dies on SIGUSR1 itself, as torchrun does
+""")
+TOP = textwrap.dedent("""
+    import subprocess, sys
+    from sao_megatron.core.processes import forward_signals_to_children
+    from checkpoints.preemption import DEFAULT_SIGNALS
+    launcher = subprocess.Popen([sys.executable] + sys.argv[1:])
+    with forward_signals_to_children(launcher.pid, DEFAULT_SIGNALS):
+        sys.exit(launcher.wait())
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_top_process_forwards_preemption_signals_to_the_ranks(tmp_path, sig):
+    for name, text in [("rank.py", FAKE_RANK), ("launcher.py", FAKE_LAUNCHER), ("top.py", TOP)]:
+        (tmp_path / name).write_text(text)
+    top = subprocess.Popen([sys.executable, str(tmp_path / "top.py"), str(tmp_path / "launcher.py"),
+                            str(tmp_path / "rank.py"), str(tmp_path)], cwd=REPO)
+    try:
+        deadline = time.monotonic() + GENEROUS_S
+        while not all((tmp_path / f"rank{r}.ready").exists() for r in range(2)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        top.send_signal(sig)
+        assert top.wait(timeout=GENEROUS_S) == 0
+    finally:
+        if top.poll() is None:
+            top.kill()
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == [sig.name, sig.name]
