@@ -50,7 +50,7 @@ def test_750b_script_splits_40_nodes_and_keeps_hyperparameters_out_of_bash(tmp_p
     script = render_script(recipe, _paths(tmp_path))
     for line in ("#SBATCH --nodes=40", "#SBATCH --gpus-per-node=8", "#SBATCH --requeue",
                  "#SBATCH --signal=B:USR1@900", "#SBATCH --time=48:00:00", 'ROLLOUT_NODES=("${NODES[@]:0:8}")',
-                 "--nodes=32 --ntasks-per-node=8", "export SGLANG_NSA_FORCE_MLA=1", "export CUDA_DEVICE_MAX_CONNECTIONS=1"):
+                 "--nodes=32 --ntasks=256 --ntasks-per-node=8", "export SGLANG_NSA_FORCE_MLA=1", "export CUDA_DEVICE_MAX_CONNECTIONS=1"):
         assert line in script
     assert 'ENGINE_URLS+=("http://${ADDR_OF[${ROLLOUT_NODES[0]}]}:30000")' in script and script.count("ENGINE_URLS+=") == 1
     for hyper in ("lr", "1e-06", "eps_", "batch_size", "micro_batch", "16384", "tp-size"):
@@ -83,7 +83,8 @@ def test_glm45_engine_of_32_gpus_spans_its_4_rollout_nodes():
 
 
 def test_nodes_flag_resizes_the_trainer_world():
-    recipe = load_launch_recipe(RECIPES / "glm5_750b_a40b.toml", nodes=24)  # 8 rollout + 16 trainer nodes
+    # 8 rollout + 16 trainer nodes; EP32 because the recipe's EP64 does not divide the 32 ranks of a stage
+    recipe = load_launch_recipe(RECIPES / "glm5_750b_a40b.toml", overrides=["parallel.ep=32"], nodes=24)
     assert recipe.parallel.world_size == 128 and recipe.parallel.tp * recipe.parallel.pp * recipe.parallel.cp == 32
 
 
@@ -189,7 +190,7 @@ def test_script_runs_the_trainer_step_and_returns_its_code(cpu_recipe, tmp_path)
     proc = subprocess.run(["bash", str(paths.script)], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3
     log = (tmp_path / "fake.log").read_text()
-    assert "--nodes=1 --ntasks-per-node=1 --nodelist=n1" in log and "-m launch.bootstrap -- python" in log
+    assert "--nodes=1 --ntasks=1 --ntasks-per-node=1 --nodelist=n1" in log and "-m launch.bootstrap -- python" in log
     assert "address step" in log and "addresses n1=10.9.0.1" in proc.stdout   # MASTER_ADDR came from it
     assert "scontrol requeue" not in log
 
@@ -217,7 +218,7 @@ def test_every_server_address_comes_from_the_nodes_bind_address_step(cpu_recipe,
     trainer's store (MASTER_ADDR), the engine URLs and the engines' --host all use it, never 0.0.0.0."""
     recipe = load_launch_recipe(cpu_recipe, nodes=3, overrides=["launch.rollout_nodes=1", "parallel.world_size=2"])
     script = render_script(recipe, _paths(tmp_path))
-    assert "--nodes=3 --ntasks-per-node=1" in script and "-m launch.bootstrap --bind-address)" in script
+    assert "--nodes=3 --ntasks=3 --ntasks-per-node=1" in script and "-m launch.bootstrap --bind-address)" in script
     assert 'export MASTER_ADDR="${ADDR_OF[${TRAINER_NODES[0]}]}"' in script
     assert 'ENGINE_URLS+=("http://${ADDR_OF[${ROLLOUT_NODES[0]}]}:30000")' in script
     assert '"${ADDR_OF[${ROLLOUT_NODES[$i]}]}" &' in script   # the node's own address: its engines' --host
