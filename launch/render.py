@@ -165,7 +165,7 @@ def _addresses(recipe, job: JobLayout) -> list[str]:
     there and nowhere else, and everyone reaches them there."""
     python = shlex.quote(recipe.launch.python)
     return ["# --- addresses: each node's address on the configured interface (launch/bootstrap.py --bind-address)",
-            f"ADDRESSES=\"$({_srun_prefix(recipe, job)} --nodes={job.nodes} --ntasks-per-node=1 "
+            f"ADDRESSES=\"$({_srun_prefix(recipe, job)} --nodes={job.nodes} --ntasks={job.nodes} --ntasks-per-node=1 "
             f"{python} -m launch.bootstrap --bind-address)\"",
             "declare -A ADDR_OF",
             'while read -r node addr; do ADDR_OF[$node]="$addr"; done <<< "$ADDRESSES"',
@@ -256,8 +256,9 @@ def train_argv(recipe, job: JobLayout, paths: JobPaths, template: str) -> str:
 def _trainer(recipe, job: JobLayout, paths: JobPaths, template: str) -> list[str]:
     python = shlex.quote(recipe.launch.python)
     return ["# --- trainer: one rank per GPU (per task on CPU); the bootstrap maps SLURM_* to torch's env",
-            f'{_srun_prefix(recipe, job)} --nodes={job.trainer_nodes} --ntasks-per-node={job.tasks_per_node} '
-            '--nodelist="$TRAINER_HOSTS" \\',
+            # --ntasks too: srun reads the allocation's SLURM_NTASKS (every node's tasks) as its own -n
+            f'{_srun_prefix(recipe, job)} --nodes={job.trainer_nodes} --ntasks={job.world} '
+            f'--ntasks-per-node={job.tasks_per_node} --nodelist="$TRAINER_HOSTS" \\',
             f"  {python} -m launch.bootstrap -- {train_argv(recipe, job, paths, template)} &",
             'TRAIN_PID=$!', ""]
 
