@@ -18,6 +18,8 @@ def register(sub) -> None:
     parser.add_argument("--gpu", default="h100", help="GPU model: h100, h200 or b200 (parallel/planner/hardware.py)")
     parser.add_argument("--transport", default=None, choices=["broadcast", "sharded"],
                         help="weight-sync transport the step uses (default: weight_sync.method; both are printed)")
+    parser.add_argument("--senders", type=int, default=0,
+                        help="sharded transport: trainer ranks sending in parallel (default pp x ep, every expert owner)")
     parser.add_argument("--prompt-tokens", type=float, default=None, help="mean prompt length (default max_prompt_len/2)")
     parser.add_argument("--response-tokens", type=float, default=None,
                         help="mean response length (default max_new_tokens/2)")
@@ -39,6 +41,8 @@ def argument_problem(args) -> str:
         return f"--gpus {args.gpus}: need at least 1 GPU (or leave it out to use launch.nodes x launch.gpus_per_node)"
     if args.gpu not in GPUS:
         return f"--gpu {args.gpu!r} is unknown; use one of {', '.join(GPUS)}"
+    if args.senders < 0:
+        return f"--senders {args.senders}: use 1 or more (0 = pp x ep)"
     for name in ("prompt_tokens", "response_tokens"):
         value = getattr(args, name)
         if value is not None and value <= 0:

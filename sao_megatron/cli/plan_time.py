@@ -8,7 +8,8 @@ def render_time(plan, recipe, args) -> str:
     from parallel.planner.hardware import FP8_TRAIN_SPEEDUP, TRAIN_MFU
     from parallel.planner.timing import step_time, workload_from_recipe
 
-    work = workload_from_recipe(recipe, args.prompt_tokens, args.response_tokens, args.transport)
+    work = replace(workload_from_recipe(recipe, args.prompt_tokens, args.response_tokens, args.transport),
+                   senders=getattr(args, "senders", 0))
     chosen = step_time(plan, work)
     other = step_time(plan, replace(work, transport="sharded" if work.transport == "broadcast" else "broadcast"))
     fp8 = plan.inp.train.fp8 != "none"

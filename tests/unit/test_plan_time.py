@@ -142,6 +142,9 @@ def test_750b_sharded_sync_is_near_the_2s_goal_and_broadcast_near_a_minute_or_mo
     inp = _recipe_input("glm5_750b_a40b.toml")
     broadcast, sharded = (sync_time(inp, t, inp.bucket_bytes).total for t in ("broadcast", "sharded"))
     assert 40 < broadcast < 120 and sharded < 2.5 and broadcast / sharded > 30
+    one_sender = sync_time(inp, "sharded", inp.bucket_bytes, senders=1).total
+    assert one_sender > broadcast          # 64 replicas of the dense part through one NIC: senders must be parallel
+    assert f"{one_sender:.0f} s" in DOCS
     assert f"{sharded:.1f} s" in DOCS and f"{broadcast:.1f} s" in DOCS
 
 
@@ -240,7 +243,8 @@ def test_workload_reads_the_recipe():
 
 @pytest.mark.parametrize("argv, word", [(["--gpus", "-8"], "--gpus -8"), (["--gpus", "0"], "--gpus 0"),
                                         (["--gpu", "a100"], "'a100' is unknown"),
-                                        (["--response-tokens", "0"], "--response-tokens 0")])
+                                        (["--response-tokens", "0"], "--response-tokens 0"),
+                                        (["--senders", "-1"], "--senders -1")])
 def test_sao_plan_bad_arguments_are_one_line_exit_2(argv, word, capsys):
     from sao_megatron.cli.main import main
 
