@@ -172,3 +172,33 @@ def test_sao_train_refuses_a_corrupted_checkpoint_before_building_models(tmp_pat
     assert len(lines) == 1 and "shard0.bin" in lines[0] and "models were built" not in done.stderr
     assert "Traceback" not in done.stderr
     assert json.loads((named / "manifest.json").read_text())["step"] == 10   # nothing was rewritten
+
+
+def _two_rank_fallback(root: str) -> dict:
+    """Each rank checksums half the files: a flipped byte only rank 1 hashes still moves both ranks back."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    ckpt = RunCheckpointer(root, keep_last=3)
+    for step in (1, 2):
+        mine = {"rank": rank, "step": step}
+        ckpt.save(step, {"shard": ValueState(lambda m=mine: m, lambda s: None)})
+    dist.barrier()
+    if rank == 0:   # rank 1 checksums this file (every second of the sorted list); rank 0 only sizes it
+        files = sorted(json.loads((Path(root) / "step_00000002" / "manifest.rank00001.json").read_text())["files"])
+        target = Path(root) / "step_00000002" / files[0]
+        data = target.read_bytes()
+        target.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    dist.barrier()
+    chosen, skipped = ckpt.choose("auto")
+    return {"chosen": chosen.name, "skipped": skipped}
+
+
+def test_all_ranks_fall_back_together(tmp_path):
+    from parallel.distributed import run_distributed_test
+
+    results = run_distributed_test(_two_rank_fallback, world_size=2, timeout_s=300, args=(str(tmp_path),))
+    assert [r["chosen"] for r in results] == ["step_00000001", "step_00000001"]
+    assert all(len(r["skipped"]) == 1 and r["skipped"][0].startswith("step_00000002") for r in results)
+    assert any("shard.rank00001.pt" in r["skipped"][0] for r in results)
+    assert any("rank(s) [" in r["skipped"][0] for r in results)   # the rank that hashed it fine learns why
