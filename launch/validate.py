@@ -43,7 +43,7 @@ def check_script_paths(workdir: Path, run_dir: Path, recipe_source: str) -> None
     """Paths that reach the sbatch script outside quotes."""
     for field, value in (("working directory", str(workdir)), ("run directory", str(run_dir)),
                          ("recipe path", recipe_source)):
-        if not _SCRIPT_PATH.match(value):
+        if not _SCRIPT_PATH.fullmatch(value):
             raise ConfigError(field, f"{value!r} holds whitespace, a quote or shell syntax, which would break or "
                               "add lines to the sbatch script", "use a path of plain characters (run from another "
                               "directory, or set run.output_dir)")

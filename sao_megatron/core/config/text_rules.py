@@ -14,8 +14,8 @@ from .errors import ConfigError
 PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")     # starts alnum: never '.', '..', '-x'
 SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,+-]*$")                    # partition/account lists, no shell syntax
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-URL = re.compile(r"^https?://[A-Za-z0-9.\-\[\]:]+(:\d{1,5})?(/[^\s]*)?$")
-HOST = re.compile(r"^[A-Za-z0-9.\-:\[\]]{1,253}$")
+URL = re.compile(r"^https?://[A-Za-z0-9_.\-\[\]:]+(/[^\s]*)?$")
+HOST = re.compile(r"^[A-Za-z0-9_.\-:\[\]]{1,253}$")
 IMAGE = re.compile(r"^[A-Za-z0-9_./:@+#=-]*$")                     # registry#image:tag or a .sqsh path
 COMMAND_WORD = re.compile(r"^[A-Za-z0-9_./+-]+$")
 IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*[:.][A-Za-z_]\w*$")            # pkg.mod:fn (or pkg.mod.fn)
@@ -30,7 +30,7 @@ def require(cond: bool, field: str, problem: str, fix: str) -> None:
 
 
 def plain_name(field: str, value: str) -> None:
-    if not PLAIN_NAME.match(value):
+    if not PLAIN_NAME.fullmatch(value):
         raise ConfigError(field, f"{value!r} is not a plain name (it becomes a directory and a job name)",
                           "use letters, digits, '.', '_' or '-', starting with a letter or digit (e.g. 'tiny-sao')")
 
@@ -45,18 +45,18 @@ def one_line(field: str, value: str, empty_ok: bool = True) -> None:
 
 
 def matches(field: str, value: str, pattern: re.Pattern, what: str) -> None:
-    if not pattern.match(value):
+    if not pattern.fullmatch(value):
         raise ConfigError(field, f"{value!r} is not {what}", f"write {what}")
 
 
 def import_path(field: str, value: str) -> None:
-    if value and not IMPORT_PATH.match(value):
+    if value and not IMPORT_PATH.fullmatch(value):
         raise ConfigError(field, f"{value!r} is not an import path", "write it as 'package.module:function'")
 
 
 def slurm_seconds(field: str, value: str) -> int:
     """slurm --time in seconds: minutes, m:s, h:m:s, d-h, d-h:m, d-h:m:s (sbatch(1)); 0 is refused."""
-    match = _TIME.match(value)
+    match = _TIME.fullmatch(value)
     if not match:
         raise ConfigError(field, f"{value!r} is not a slurm time limit",
                           "write HH:MM:SS, MM, MM:SS, D-HH, D-HH:MM or D-HH:MM:SS (e.g. '04:00:00')")
@@ -80,7 +80,7 @@ def slurm_seconds(field: str, value: str) -> int:
 def check_rollout_text(cfg, p: str) -> None:
     """URLs, host and key reach HTTP requests and engine command lines; the rest are paths and names."""
     for url in cfg.engine_urls:
-        require(isinstance(url, str) and bool(URL.match(url)), f"{p}.engine_urls",
+        require(isinstance(url, str) and bool(URL.fullmatch(url)), f"{p}.engine_urls",
                 f"{url!r} is not an http(s) URL", "list URLs like 'http://10.0.0.5:30000'")
     matches(f"{p}.host", cfg.host, HOST, "a host name or IP address")
     matches(f"{p}.api_key", cfg.api_key, API_KEY, "printable characters without spaces")
