@@ -23,6 +23,10 @@ def train_from_recipe(recipe: Recipe) -> int:
     from sao_megatron.core.processes import reap_descendants_at_exit
 
     reap_descendants_at_exit()   # nothing this run starts outlives it, even after a SIGKILL
+    if recipe.sft.steps > 0:   # the paper's order: SFT first (once), then RL from its model
+        from .sft import chain_sft
+
+        recipe = chain_sft(recipe)
     world = recipe.parallel.resolved_world_size()
     if world > 1 and "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ \
             and "SLURM_PROCID" not in os.environ:
@@ -83,12 +87,14 @@ def run_rank(recipe: Recipe) -> int:
     from .stopping import CollectionStopped
 
     try:
-        state, stopped = asyncio.run(_train(recipe, env.rank, env.world_size))
+        state, stopped, saved = asyncio.run(_train(recipe, env.rank, env.world_size))
     except CollectionStopped as err:   # a rollout fault: its one line, no traceback
         print(f"error: {err} (run dir {recipe.run_dir})", file=sys.stderr)
         return 1
     if env.rank == 0:
-        how = f"stopped by {stopped} after step {state.step}, checkpoint saved" if stopped else f"{state.step} steps"
+        how = f"{state.step} steps"
+        if stopped:
+            how = f"stopped by {stopped} after step {state.step}, " + ("checkpoint saved" if saved else "no checkpoint")
         print(f"done: {how}, weight version {state.version}; run dir {recipe.run_dir}", file=sys.stderr)
     return 0
 
@@ -102,7 +108,7 @@ async def _train(recipe: Recipe, rank: int, world_size: int):
     async with build_components(recipe, rank, world_size) as parts:
         trainer = Trainer(recipe, parts, state)
         await trainer.train()
-    return state, trainer.stopped
+    return state, trainer.stopped, trainer.saved_at_stop
 
 
 def rank_main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,104 @@
+"""`sao sft` (sao_megatron/trainer/sft.py): the loss on response tokens only, the loss falling on the
+tiny model, an HF model that `sao train` loads, and a recipe that chains SFT then RL (SFT once)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sao_megatron.core.config import load_recipe
+from sao_megatron.trainer.sft import _is_done, _marker, sft_batches, sft_loss_fn, sft_output_dir
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "recipes" / "tiny_moe_cpu.toml"
+
+
+def test_loss_covers_response_tokens_only():
+    batches = sft_batches([([5, 6, 7], [8, 9]), ([5], [4, 3, 2])], token_budget=1024)
+    assert len(batches) == 1
+    batch = batches[0]
+    assert batch.loss_mask.sum() == 5 and batch.global_num_tokens == 5
+    rows = {tuple(batch.tokens[r, :int(batch.lengths[r])].tolist()): r for r in range(2)}
+    assert batch.loss_mask[rows[(5, 6, 7, 8, 9)]].tolist() == [0, 0, 0, 1, 1]
+    assert batch.loss_mask[rows[(5, 4, 3, 2)]].tolist()[:4] == [0, 1, 1, 1]
+    logp = torch.full(batch.tokens.shape, -2.0)
+    logp[batch.loss_mask == 0] = -100.0            # prompt and padding must not count
+    out = sft_loss_fn(batch, {"logp": logp})
+    assert abs(float(out.loss) - 2.0) < 1e-6       # mean CE over the 5 response tokens
+
+
+def test_marker_tracks_the_sft_section(tmp_path):
+    recipe = load_recipe(RECIPE, [f"run.output_dir='{tmp_path}'", "sft.steps=5"], check_files=False)
+    out = sft_output_dir(recipe)
+    assert out == tmp_path / "tiny-sao" / "sft_model"
+    assert not _is_done(recipe, out)
+    out.mkdir(parents=True)
+    (out / "sao_sft.json").write_text(json.dumps(_marker(recipe)))
+    assert _is_done(recipe, out)
+    changed = load_recipe(RECIPE, [f"run.output_dir='{tmp_path}'", "sft.steps=6"], check_files=False)
+    assert not _is_done(changed, out)              # another [sft] section: SFT runs again
+
+
+def _sao(tmp: Path, command: str, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "sao_megatron.cli.main", command, str(RECIPE), f"run.output_dir='{tmp}'",
+           "run.name='sft'", f"model.path='{tmp / 'model'}'", "logging.wandb=false", "rollout.task='chain:1:1'",
+           "sft.batch_size=16", *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def _weights(model_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        out.update(load_file(shard))
+    return out
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sft")
+    proc = _sao(tmp, "sft", "sft.steps=40", "sft.lr=2e-3")
+    return tmp, proc
+
+
+def test_sft_loss_falls_and_writes_a_model(sft_run):
+    tmp, proc = sft_run
+    rows = _rows(tmp / "sft" / "sft" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    losses = [r["train/sft_loss"] for r in rows]
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+    assert last < 0.6 * first, (first, last)
+    assert all(r["perf/step_time_s"] > 0 for r in rows)
+    out = tmp / "sft" / "sft_model"
+    assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
+    base, tuned = _weights(tmp / "model"), _weights(out)
+    assert base.keys() == tuned.keys()
+    assert any(not torch.equal(base[k], tuned[k]) for k in base)
+    assert f"model.path={out}" in proc.stdout
+
+
+def test_train_chains_sft_then_rl_and_runs_sft_once(sft_run):
+    tmp, _ = sft_run
+    overrides = ("sft.steps=40", "sft.lr=2e-3", "run.num_steps=1", "critic.warmup_steps=1", "rollout.batch_size=8",
+                 "rollout.max_in_flight=8")
+    proc = _sao(tmp, "train", *overrides)
+    out = tmp / "sft" / "sft_model"
+    assert "already holds this recipe's SFT model" in proc.stderr      # the `sao sft` result is reused
+    resolved = load_recipe(tmp / "sft" / "resolved_recipe.toml", check_files=False)
+    assert Path(resolved.model.path) == out                          # RL ranks load the SFT model
+    rows = _rows(tmp / "sft" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    # the SFT model learned to answer and stop (EOS); the random init runs to max_new_tokens (8)
+    assert rows[0]["rollout/response_len"] < 4.0, rows[0]["rollout/response_len"]
+    assert "rollout/accuracy" in rows[0] and "critic/value0_return_corr" in rows[0]
