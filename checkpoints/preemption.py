@@ -1,7 +1,8 @@
 """Preemption: SIGTERM / SIGUSR1 (slurm sends SIGUSR1 `signal_seconds` before the time limit with
 `--signal=B:USR1@N`, SIGTERM on cancel/preempt) set a flag; the trainer polls
-`should_checkpoint_and_exit()` at safe points (between steps, never inside a collective), saves a
-checkpoint and exits cleanly. The handler does nothing else: signal handlers interrupt arbitrary
+`should_checkpoint_and_exit()` at safe points (between steps, never inside a collective, and on rank
+0 while it waits for samples: sao_megatron/trainer/stopping.py), saves a checkpoint of the last
+completed step and exits 0. The handler does nothing else: signal handlers interrupt arbitrary
 code, so the checkpoint itself must not run inside one.
 
 Multi-rank: a signal may reach only some ranks; `should_checkpoint_and_exit(sync=True)` all-reduces

@@ -39,6 +39,7 @@ class Trainer:
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="model", initializer=_enter_shim)
         self.consistent = False    # True between a finished step (or the resume) and the next model update
         self.stopped: CollectionStopped | None = None
+        self.saved_at_stop = False   # whether a checkpoint of the last completed step exists after a stop
 
     async def on_model_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._model_thread, fn, *args)
@@ -52,7 +53,7 @@ class Trainer:
             while state.step < self.total and not parts.checkpoints.preemption_requested():
                 await self.train_step()
         except CollectionStopped as stop:
-            await self.save_last_completed_step()
+            self.saved_at_stop = await self.save_last_completed_step()
             if not stop.stop.preempted:
                 raise
             self.stopped = stop
@@ -83,17 +84,19 @@ class Trainer:
         self.log(stats, state.step)
         await parts.checkpoints.maybe_save(state.step, state.step == self.total, checkpoint_parts(self.parts, state))
 
-    async def save_last_completed_step(self) -> None:
+    async def save_last_completed_step(self) -> bool:
         """On a stop or a fatal error: save the last completed step unless the models are mid-update
-        (then the previous checkpoint stands), or a checkpoint of it exists already."""
+        (then the previous checkpoint stands), or a checkpoint of it exists already. Returns whether
+        a checkpoint of the last completed step exists now."""
         checkpoints, step = self.parts.checkpoints, self.state.step
         if not (self.consistent and checkpoints.saves):
-            return
+            return False
         latest = checkpoints.checkpointer.latest()
         if latest is not None and latest.name.endswith(f"{step:08d}"):
-            return
+            return True
         self.consistent = False    # a failure inside the save must not try again
         await checkpoints.maybe_save(step, True, checkpoint_parts(self.parts, self.state))
+        return True
 
     async def resume_and_start(self) -> None:
         """Continue from the latest checkpoint (if any), give the engines its weights, then start rollouts."""

@@ -227,7 +227,7 @@ def test_signal_during_collection_saves_last_step_and_resume_loses_nothing(tmp_p
     started = time.monotonic()
     asyncio.run(main())
     assert time.monotonic() - started < GENEROUS_S / 2
-    assert run.trainer.stopped is not None and sig.name in str(run.trainer.stopped)
+    assert run.trainer.stopped is not None and sig.name in str(run.trainer.stopped) and run.trainer.saved_at_stop
     assert run.state.step == 2 and run.latest().name == "step_00000002"
     saved = run.saved()
     assert saved["trainer"]["step"] == 2
