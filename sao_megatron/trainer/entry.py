@@ -23,6 +23,10 @@ def train_from_recipe(recipe: Recipe) -> int:
     from sao_megatron.core.processes import reap_descendants_at_exit
 
     reap_descendants_at_exit()   # nothing this run starts outlives it, even after a SIGKILL
+    if recipe.sft.steps > 0:   # the paper's order: SFT first (once), then RL from its model
+        from .sft import chain_sft
+
+        recipe = chain_sft(recipe)
     world = recipe.parallel.resolved_world_size()
     if world > 1 and "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ \
             and "SLURM_PROCID" not in os.environ:
