@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import copy
 import logging
+import re
 import time
 import zlib
 from collections import deque
@@ -288,8 +289,8 @@ class RolloutDriver(EngineHealth):
                 return self._fail(sample, f"aborted {aborts} times in a row without progress")
 
     async def _call_engines(self, sample: Sample, max_new_tokens: int, stop_ids: list[int]) -> Optional[GenerateResult]:
-        last_error = ""
-        for _ in range(self.max_attempts):
+        last_error, tries = "", 0
+        for tries in range(1, self.max_attempts + 1):
             engine = await self._pick_engine()
             attempt = sample.metadata.get("attempts", 0)
             sample.metadata["attempts"] = attempt + 1
@@ -302,10 +303,12 @@ class RolloutDriver(EngineHealth):
                 return result
             except ENGINE_FAILURES as exc:
                 last_error = f"{engine.name}: {type(exc).__name__}: {exc}"
+                if rejected(exc):   # the engine is fine; every engine would refuse the same request
+                    break
                 await self._engine_failed(engine, request.rid, last_error)
             finally:
                 self._load[engine.name] -= 1
-        self._fail(sample, f"generation failed after {self.max_attempts} attempts; last error {last_error}")
+        self._fail(sample, f"generation failed after {tries} attempt(s); last error {last_error}")
         return None
 
     def _request(self, sample: Sample, rid: str, max_new_tokens: int, stop_ids: list[int]) -> GenerateRequest:
@@ -400,6 +403,12 @@ class RolloutDriver(EngineHealth):
         self.counts.update(state["counts"])
         self.stats.dropped = state["dropped_stale"]
         self._current_version = state["current_version"]
+
+
+def rejected(exc: BaseException) -> bool:
+    """The engine refused the request itself (HTTP 400/422: a value out of range, a prompt too long),
+    as SGLangEngine words it; not a sign that the engine is down, and not worth a retry."""
+    return isinstance(exc, EngineError) and re.search(r"answered HTTP (400|422)\b", str(exc)) is not None
 
 
 def _work_state(sample: Sample) -> dict:

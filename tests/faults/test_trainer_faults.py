@@ -139,7 +139,8 @@ def test_engine_rejecting_everything_stops_with_one_line_and_saves_the_last_step
     assert "\n" not in message and time.monotonic() - started < GENEROUS_S / 2
     assert "6 samples failed in a row (rollout.max_failed_in_a_row=6)" in message
     assert "HTTP 400: top_k must be -1 or >= 1" in message
-    assert not err.value.stop.preempted
+    assert "generation failed after 1 attempt(s)" in message   # a refused request is not retried
+    assert not err.value.stop.preempted and not run.driver._dead   # and the engine is not taken for dead
     assert run.state.step == 2 and run.latest().name == "step_00000002"   # the two good steps, saved
     saved = run.saved()
     assert saved["trainer"]["step"] == 2
