@@ -17,8 +17,9 @@ write_file) and ``submit {answer}`` where the answer is a unified diff, a JSON o
 ``{path: content}``, or "" for the repository as written (patches.py). An episode that ends without
 submit is scored on the repository as written.
 
-Score: the final repository plus the hidden tests run in the sandbox (rollout/sandbox.py); exit 0 is
-1.0, anything else 0.0. Environment failures also score 0.0, with `EpisodeResult.error` saying why:
+Score: the final repository plus the hidden tests run in the sandbox (rollout/sandbox.py); 1.0 only
+when the tests ran to their end (the random sentinel of rollout/rewards/code.py is printed after
+them; the exit code is not trusted, a fix that calls os._exit(0) on import scores 0), else 0.0. Environment failures also score 0.0, with `EpisodeResult.error` saying why:
 a bad task row (with its line), a malformed patch, a new top-level file that shadows a standard
 library module (the test runner imports from the repository root), a sandbox limit during the tests.
 A wrong fix (the tests fail) is a verdict, not an error: its last stderr line is in `info`.
@@ -35,6 +36,7 @@ from typing import Optional
 
 from rollout.agent import ToolAgent, ToolCall
 from rollout.engine import Generator, GenerateRequest
+from rollout.rewards.code import NONCE_FILE, harness_script, new_sentinel, tests_ran_to_the_end
 from rollout.sandbox import SandboxLimits, SandboxResult, run_python
 from sao_megatron.core.config.errors import ConfigError
 from sao_megatron.core.records import Sample
@@ -231,11 +233,12 @@ class CodeRepairEval(AgenticEval):
 
     async def score(self, task: RepairTask, files: dict[str, str]) -> EpisodeResult:
         """Run the hidden tests against `files` (hidden test files win over same-named ones)."""
-        result = await run_hidden_tests(task, files, self.sandbox_limits)
+        passed, result = await run_hidden_tests(task, files, self.sandbox_limits)
         if result.limit:
             return EpisodeResult(0.0, error=f"hidden tests hit the sandbox {result.limit} limit")
-        if result.returncode != 0:
-            last = (result.stderr.strip().splitlines() or [f"exit code {result.returncode}"])[-1]
+        if not passed:   # exit 0 alone is not trusted: a fix can os._exit(0)
+            last = (result.stderr.strip().splitlines() or [f"the tests did not run to the end "
+                                                            f"(exit code {result.returncode})"])[-1]
             return EpisodeResult(0.0, info={"test_error": last[:200]})
         return EpisodeResult(1.0)
 
@@ -245,8 +248,15 @@ def _top_module(path: str) -> str:
     return top[:-3] if top.endswith(".py") else top
 
 
-async def run_hidden_tests(task: RepairTask, files: dict[str, str], limits: SandboxLimits) -> SandboxResult:
-    return await run_python(workspace_script({**files, **task.tests}, task.test_code()), limits)
+async def run_hidden_tests(task: RepairTask, files: dict[str, str],
+                           limits: SandboxLimits) -> tuple[bool, SandboxResult]:
+    """(passed, result). The repository is written by the harness's trusted first part; the hidden
+    tests (which import the fix) run second, and pass only if they ran to their end: a fresh random
+    sentinel printed after them (rollout/rewards/code.py)."""
+    sentinel = new_sentinel()
+    setup = workspace_script({**files, **task.tests}, "")
+    result = await run_python(harness_script(setup, task.test_code()), limits, files={NONCE_FILE: sentinel})
+    return tests_ran_to_the_end(result, sentinel), result
 
 
 def _engine_turn(engine: Generator, seed: int, temperature: float):
@@ -270,7 +280,7 @@ async def validate_task(task, limits: SandboxLimits = SandboxLimits()) -> Option
     """None if the hidden tests fail on the given files and pass with the gold patch; else the problem."""
     if isinstance(task, BadTask):
         return f"line {task.line}: {task.reason}"
-    if (await run_hidden_tests(task, task.files, limits)).ok:
+    if (await run_hidden_tests(task, task.files, limits))[0]:
         return f"{task.task_id}: the hidden tests already pass before any fix"
     if not task.gold_patch:
         return f"{task.task_id}: no gold_patch to check the tests against"
@@ -278,8 +288,8 @@ async def validate_task(task, limits: SandboxLimits = SandboxLimits()) -> Option
         fixed = apply_submission(task.files, task.gold_patch)
     except PatchError as exc:
         return f"{task.task_id}: gold_patch does not apply: {exc}"
-    result = await run_hidden_tests(task, fixed, limits)
-    if not result.ok:
+    passed, result = await run_hidden_tests(task, fixed, limits)
+    if not passed:
         why = result.limit or result.stderr.strip()[-200:]
         return f"{task.task_id}: the hidden tests fail with the gold patch: {why}"
     return None

@@ -76,6 +76,15 @@ def test_a_wrong_fix_is_a_verdict_not_an_error(tmp_path):
     assert result.score == 0.0 and result.error == "" and "AssertionError" in result.info["test_error"]
 
 
+@pytest.mark.parametrize("exit_call", ["import os\nos._exit(0)\n", "import sys\nsys.exit(0)\n",
+                                       "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n"])
+def test_a_fix_that_exits_cleanly_before_the_tests_finish_scores_zero(tmp_path, exit_call):
+    """Exit code 0 is not a pass: the tests must run to their end (the harness's sentinel)."""
+    fix = {"calc.py": exit_call + CALC}
+    result = episode(make_env(tmp_path), [call("submit", answer=json.dumps(fix))])
+    assert result.score == 0.0 and result.error == "", result
+
+
 def test_an_unsubmitted_episode_is_scored_on_the_files_as_written(tmp_path):
     result = episode(make_env(tmp_path), ["I give up<|im_end|>"])
     assert result.score == 0.0 and not result.info["submitted"] and result.info["status"] == "completed"
