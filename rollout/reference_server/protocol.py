@@ -67,7 +67,8 @@ def _number(raw: dict, key: str, default: float, prefix: str = "sampling_params.
     try:
         return float(value)
     except OverflowError:   # an int too large for a float
-        raise BadRequest(f"field {name!r} must be a finite number, got an integer of {value.bit_length()} bits") from None
+        raise BadRequest(f"field {name!r} must be a finite number, "
+                         f"got an integer of {value.bit_length()} bits") from None
 
 
 def _int(raw: dict, key: str, default: Optional[int], lo: int, hi: Optional[int], name: str) -> Optional[int]:
@@ -140,7 +141,8 @@ def _check_stop(stop: Any) -> None:
     if stop is None or stop == "" or stop == []:
         return
     if not (isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
-        raise BadRequest(f"field 'sampling_params.stop' must be a string or a list of strings, got {type(stop).__name__}")
+        raise BadRequest("field 'sampling_params.stop' must be a string or a list of strings, "
+                         f"got {type(stop).__name__}")
     raise BadRequest("sampling_params.stop (stop strings) is not supported; use stop_token_ids")
 
 
