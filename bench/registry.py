@@ -12,6 +12,7 @@ from typing import Callable
 
 from bench import report_learning as learning
 from bench import report_systems as systems
+from bench import weight_sync_sharded
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,11 @@ BENCHMARKS = (
     Benchmark("stability", "Stability", learning.stability_section),
     Benchmark("pipeline", "Async single-rollout pipeline vs synchronous group pipeline", systems.pipeline_section),
     Benchmark("weight_sync", "Weight sync vs raw broadcast", systems.weight_sync_section),
+    Benchmark("weight_sync_sharded", "Shard writes (each engine TP rank receives its slice) vs raw transports",
+              weight_sync_sharded.section),
     Benchmark("engine", "Reference server vs HF `generate`", systems.engine_section),
     Benchmark("parallel", "Parallel layouts", systems.parallel_section),
 )
 
-RUN_ORDER = ("demo", "engine", "pipeline", "weight_sync", "parallel", "algorithms", "stability", "online")
+RUN_ORDER = ("demo", "engine", "pipeline", "weight_sync", "weight_sync_sharded", "parallel", "algorithms", "stability",
+             "online")

@@ -18,19 +18,12 @@ its own and reports the first refusal, and the bytes it received, in its ack.
 """
 from __future__ import annotations
 
-import datetime
-import threading
-
 import torch
 
 from rollout.weights.shard_plan import rank_slice
-from rollout.weights.shard_wire import CLOSE, END, recv_message, send_ack
+from rollout.weights.shard_wire import join_and_serve
 
-from .weights import UnknownWeightError, WeightMap, parse_dtype
-
-# A rank waits for the next push as long as registered memory would: between pushes the trainer trains.
-IDLE_WAIT = datetime.timedelta(days=7)
-
+from .weights import WeightMap, parse_dtype
 
 class _NamedWeights(WeightMap):
     """A WeightMap over a dict of tensors (a TP-rank child has the shared tensors, not the model)."""
@@ -51,7 +44,8 @@ class ShardTarget:
         return full if cut is None else full.narrow(*cut)
 
     def apply(self, meta: dict, payload: torch.Tensor) -> None:
-        """Write one bucket; ValueError / UnknownWeightError before any write when a slice is not ours."""
+        """Write one bucket; ValueError (or UnknownWeightError, a KeyError) before any write when a slice
+        is not this rank's own."""
         parts, offset = [], 0
         for name, dtype, shape in zip(meta["names"], meta["dtypes"], meta["shapes"]):
             part, dt = self.own_part(name), parse_dtype(dtype)
@@ -65,49 +59,6 @@ class ShardTarget:
         for part, dt, shape, start in parts:
             nbytes = part.numel() * part.element_size()
             part.copy_(payload[start:start + nbytes].view(dt).view(shape))
-
-
-def serve(group, target: ShardTarget) -> None:
-    """The rank's passive loop: apply buckets, ack each END, stop at CLOSE or when the group breaks."""
-    received, error = 0, ""
-    while True:
-        try:
-            kind, meta, payload = recv_message(group)
-        except Exception:   # noqa: BLE001 - the sender's side fails and names this rank
-            return
-        if kind == CLOSE:
-            return
-        if kind == END:
-            send_ack(not error, received, error, group)
-            received, error = 0, ""
-            continue
-        received += payload.numel()
-        if not error:
-            try:
-                with torch.no_grad():
-                    target.apply(meta, payload)
-            except (UnknownWeightError, ValueError) as err:
-                error = f"tp_rank {target.rank}: {str(err).strip(chr(34))}"
-
-
-def join_and_serve(entry: dict, address: str, target: ShardTarget, backend: str, timeout_s: float):
-    """Join the sender's group as entry["group_rank"] (rendezvous within timeout_s, then wait for writes
-    without a deadline) and start the rank's loop in a daemon thread; returns the group."""
-    from torch.distributed import distributed_c10d as c10d
-
-    url = f"tcp://{address}:{entry['master_port']}"
-    name, rank, world = entry["group_name"], entry["group_rank"], entry["world_size"]
-    try:
-        store, rank, world = next(c10d.rendezvous(url, rank, world, timeout=datetime.timedelta(seconds=timeout_s)))
-        store.set_timeout(datetime.timedelta(seconds=timeout_s))
-        group, _ = c10d._new_process_group_helper(world, rank, [], c10d.Backend(backend),
-                                                  c10d.PrefixStore(name, store), group_name=name, timeout=IDLE_WAIT)
-    except Exception as err:   # rendezvous timeouts come as RuntimeError / DistStoreError / TimeoutError
-        raise RuntimeError(f"shard group {name!r} at {url} (rank {rank}/{world}) did not form within "
-                           f"{timeout_s:.0f}s: {err}") from err
-    c10d._world.pg_group_ranks[group] = {i: i for i in range(world)}
-    threading.Thread(target=serve, args=(group, target), daemon=True, name=f"sao-shard-writes-{name}").start()
-    return group
 
 
 def share_with_ranks(state) -> None:

@@ -60,10 +60,11 @@ def _receive(state, names, dtypes, shapes, version, keep, group_name):
     state["version"] = version
 
 
-def _receive_raw(state, nbytes, chunk):
+def _receive_raw(state, nbytes, chunk, group_name=None):
     flat = torch.empty(nbytes, dtype=torch.uint8)
+    group = state["group"] if group_name is None else state["groups"][group_name]
     for start in range(0, nbytes, chunk):
-        torch.distributed.broadcast(flat[start:start + chunk], src=0, group=state["group"])
+        torch.distributed.broadcast(flat[start:start + chunk], src=0, group=group)
 
 
 def _destroy(state, group_name):
@@ -87,7 +88,33 @@ def _checksums(weights: dict) -> dict:
     return {name: tensor_checksum(t) for name, t in weights.items()}
 
 
-_OPS = {"join": _join, "receive": _receive, "receive_raw": _receive_raw, "destroy": _destroy, "load_disk": _load_disk,
+class _CountingTarget:
+    """A loopback TP rank's shard-write target: checks each bucket's sizes and keeps nothing (bench)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def apply(self, meta: dict, payload: torch.Tensor) -> None:
+        sizes = [math.prod(s) * getattr(torch, d).itemsize for d, s in zip(meta["dtypes"], meta["shapes"])]
+        if sum(sizes) != payload.numel():
+            raise ValueError(f"bucket payload has {payload.numel()} bytes, its names account for {sum(sizes)}")
+
+
+def _shard_join(state, entry, address, backend):
+    from .shard_wire import join_and_serve
+
+    state["groups"][entry["group_name"]] = join_and_serve(entry, address, _CountingTarget(entry["tp_rank"]),
+                                                          backend, state.get("timeout_s", 600))
+
+
+def _receive_p2p(state, group_name, sizes):
+    """The raw baseline of shard writes: plain receives of these sizes from group rank 0."""
+    for size in sizes:
+        torch.distributed.recv(torch.empty(size, dtype=torch.uint8), src=0, group=state["groups"][group_name])
+
+
+_OPS = {"join": _join, "shard_join": _shard_join, "receive_p2p": _receive_p2p, "receive": _receive,
+        "receive_raw": _receive_raw, "destroy": _destroy, "load_disk": _load_disk,
         "get": lambda state, name: state["weights"][name],
         "set": lambda state, name, t: state["weights"].__setitem__(name, t),
         "version": lambda state: state["version"], "exit": lambda state: None,
@@ -161,10 +188,10 @@ class LoopbackEngine(WeightReceiver):
         await self._rpc("receive", list(names), [str(d).removeprefix("torch.") for d in dtypes],
                         [list(s) for s in shapes], weight_version, self.keep_weights, group_name)
 
-    async def receive_raw(self, nbytes: int, chunk: int = 0) -> None:
+    async def receive_raw(self, nbytes: int, chunk: int = 0, group_name: str | None = None) -> None:
         """Take part in plain broadcasts of `nbytes` uint8 from rank 0, in slices of `chunk` bytes
-        (0 = one broadcast): the benchmark's baseline."""
-        await self._rpc("receive_raw", nbytes, chunk or nbytes)
+        (0 = one broadcast), on `group_name` (default: the last group joined): the benchmark's baseline."""
+        await self._rpc("receive_raw", nbytes, chunk or nbytes, group_name)
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int, flush_cache: bool = True) -> None:
         self._note("update_weights_from_disk")
@@ -191,3 +218,59 @@ class LoopbackEngine(WeightReceiver):
         if self._proc.is_alive():
             self._proc.kill()
         self._proc.join(timeout=10)
+
+
+class LoopbackShardEngine(WeightReceiver):
+    """An engine of `tp` TP ranks for shard writes (bench): rank r is a LoopbackEngine child that joins its
+    lane's group and checks, then drops, the slices it receives. Also the raw baselines: plain
+    broadcasts (`ranks[r].receive_raw`) and plain receives (`receive_p2p`) on groups of their own."""
+
+    def __init__(self, name: str, tp: int, reply_timeout_s: float = 600.0):
+        self.name, self.version, self.session_open = name, 0, False
+        self.ranks = [LoopbackEngine(f"{name}/tp{r}", reply_timeout_s, keep_weights=False) for r in range(tp)]
+
+    async def weight_version(self) -> int:
+        await self.ranks[0].weight_version()   # liveness of rank 0's process
+        return self.version
+
+    async def update_weight_version(self, version: int) -> None:
+        self.version = version
+
+    async def begin_weight_update(self) -> None:
+        self.session_open = True
+
+    async def end_weight_update(self) -> None:
+        self.session_open = False
+
+    async def join_shard_groups(self, master_address: str, groups: list[dict]) -> None:
+        await asyncio.gather(*(self.ranks[e["tp_rank"]]._rpc("shard_join", e, master_address, "gloo") for e in groups))
+
+    async def destroy_shard_groups(self, group_names: list[str]) -> None:
+        await asyncio.gather(*(r._rpc("destroy", n) for r in self.ranks for n in group_names))
+
+    async def init_weights_update_group(self, master_address, master_port, rank_offset, world_size, group_name,
+                                        backend):
+        await asyncio.gather(*(r.init_weights_update_group(master_address, master_port, rank_offset + i, world_size,
+                                                           group_name, backend) for i, r in enumerate(self.ranks)))
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await asyncio.gather(*(r.destroy_weights_update_group(group_name) for r in self.ranks))
+
+    async def receive_p2p(self, rank: int, master_address: str, master_port: int, group_rank: int, world: int,
+                          group_name: str, sizes: list[int], join: bool) -> None:
+        if join:
+            await self.ranks[rank]._rpc("join", master_address, master_port, group_rank, world, group_name, "gloo")
+        await self.ranks[rank]._rpc("receive_p2p", group_name, sizes)
+
+    async def update_weights_from_distributed(self, *args, **kwargs) -> None:
+        raise EngineError(f"engine {self.name}: LoopbackShardEngine takes shard writes only")
+
+    async def update_weights_from_disk(self, *args, **kwargs) -> None:
+        raise EngineError(f"engine {self.name}: LoopbackShardEngine takes shard writes only")
+
+    async def get_weights_by_name(self, name: str) -> torch.Tensor:
+        raise EngineError(f"engine {self.name}: LoopbackShardEngine keeps no weights")
+
+    async def close(self) -> None:
+        for rank in self.ranks:
+            await rank.close()

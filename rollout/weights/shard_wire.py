@@ -10,14 +10,20 @@ Messages from the sender to group rank j, in order on that pair:
 - END: header (END, 0, 0); the rank answers int64[3] = (ok, payload bytes since the last END,
   message bytes) and, when message bytes > 0, the UTF-8 error text (the first failure);
 - CLOSE: header (CLOSE, 0, 0); the rank's loop ends (before the group is destroyed).
+The engine rank's side is `join_and_serve(entry, address, target, ...)`: any `target` with `rank` and
+`apply(meta, payload)` (raising ValueError or KeyError for a slice that is not its own).
 """
 from __future__ import annotations
 
+import datetime
 import json
+import threading
 
 import torch
 
 BUCKET, END, CLOSE = 1, 2, 3
+# A rank waits for the next push as long as registered memory would: between pushes the trainer trains.
+IDLE_WAIT = datetime.timedelta(days=7)
 
 
 def _send(tensor: torch.Tensor, dst: int, group) -> None:
@@ -72,3 +78,46 @@ def send_ack(ok: bool, nbytes: int, message: str, group) -> None:
     _send(torch.tensor([int(ok), nbytes, raw.numel()], dtype=torch.int64), 0, group)
     if raw.numel():
         _send(raw, 0, group)
+
+
+def serve(group, target) -> None:
+    """The rank's passive loop: apply buckets, ack each END, stop at CLOSE or when the group breaks."""
+    received, error = 0, ""
+    while True:
+        try:
+            kind, meta, payload = recv_message(group)
+        except Exception:   # noqa: BLE001 - the sender's side fails and names this rank
+            return
+        if kind == CLOSE:
+            return
+        if kind == END:
+            send_ack(not error, received, error, group)
+            received, error = 0, ""
+            continue
+        received += payload.numel()
+        if not error:
+            try:
+                with torch.no_grad():
+                    target.apply(meta, payload)
+            except (KeyError, ValueError) as err:   # the target's refusal of a slice that is not its own
+                error = f"tp_rank {target.rank}: {str(err).strip(chr(34))}"
+
+
+def join_and_serve(entry: dict, address: str, target, backend: str, timeout_s: float):
+    """Join the sender's group as entry["group_rank"] (rendezvous within timeout_s, then wait for writes
+    without a deadline) and start the rank's loop in a daemon thread; returns the group."""
+    from torch.distributed import distributed_c10d as c10d
+
+    url = f"tcp://{address}:{entry['master_port']}"
+    name, rank, world = entry["group_name"], entry["group_rank"], entry["world_size"]
+    try:
+        store, rank, world = next(c10d.rendezvous(url, rank, world, timeout=datetime.timedelta(seconds=timeout_s)))
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))
+        group, _ = c10d._new_process_group_helper(world, rank, [], c10d.Backend(backend),
+                                                  c10d.PrefixStore(name, store), group_name=name, timeout=IDLE_WAIT)
+    except Exception as err:   # rendezvous timeouts come as RuntimeError / DistStoreError / TimeoutError
+        raise RuntimeError(f"shard group {name!r} at {url} (rank {rank}/{world}) did not form within "
+                           f"{timeout_s:.0f}s: {err}") from err
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world)}
+    threading.Thread(target=serve, args=(group, target), daemon=True, name=f"sao-shard-writes-{name}").start()
+    return group

@@ -18,13 +18,14 @@ from checkpoints.hf_io import HFCheckpoint
 from rollout.engine import EngineError
 from rollout.weights.check import check_weight_update_equal
 from rollout.weights.shard_plan import COLUMN, REPLICATED, ROW, VOCAB, bytes_per_rank, rank_slice, split_kind
-from rollout.weights.sharded import ShardWriteSync
+from rollout.weights.sharded import ShardWriteSync, flatten_slices
 from sao_megatron.core.config import WeightSyncConfig
 
 
 def _new_weights(model_dir, scale: float, seed: int = 11):
     g = torch.Generator().manual_seed(seed)
-    return [(n, t + scale * torch.randn(t.shape, generator=g, dtype=t.dtype)) for n, t in HFCheckpoint(model_dir).items()]
+    return [(n, t + scale * torch.randn(t.shape, generator=g, dtype=t.dtype))
+            for n, t in HFCheckpoint(model_dir).items()]
 
 
 def _engine(srv, name):
@@ -50,6 +51,24 @@ def test_split_rules_follow_the_layer_types():
     assert rank_slice("model.layers.0.self_attn.q_proj.weight", (8, 6), 2, 1) == (0, 4, 4)
     assert rank_slice("model.layers.0.self_attn.q_proj.weight", (7, 6), 2, 1) is None   # does not divide: whole
     assert rank_slice("model.norm.weight", (8,), 2, 0) is None
+
+
+def test_flattened_slices_are_each_slices_bytes_in_order():
+    """A row split (strided), a column split, a scalar: the payload is their bytes back to back, as the
+    rank's typed views read them (the CPU copy goes through numpy, not torch)."""
+    from rollout.weights.buckets import Bucket
+    from rollout.weights.shard_plan import shard_of
+
+    w = torch.randn(6, 8).to(torch.bfloat16)
+    bucket = Bucket([], [])
+    bucket.add("l.o_proj.weight", shard_of("l.o_proj.weight", w, 2, 1))      # columns 4..7: strided
+    bucket.add("l.q_proj.weight", shard_of("l.q_proj.weight", w, 2, 0))      # rows 0..2: contiguous
+    bucket.add("l.scale", torch.tensor(3.5))
+    bucket = bucket.aligned()
+    flat, buffer = flatten_slices(bucket, torch.full((4096,), 7, dtype=torch.uint8))
+    expected = torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in bucket.tensors])
+    assert flat.numel() == bucket.nbytes == 4 + 2 * 24 * 2 and torch.equal(flat, expected)
+    assert buffer.numel() == 4096 and flat.data_ptr() == buffer.data_ptr()   # the reused buffer, not a new one
 
 
 def test_two_lanes_write_each_rank_its_slice_and_the_engines_match_the_trainer(tiny_model_dir):
