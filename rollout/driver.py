@@ -10,7 +10,9 @@ How it works (one asyncio event loop, the trainer's):
   request on another engine under a new request id ``<uid>-a<attempt>``; the old id is aborted, and a
   late answer to it is never read, so nothing is lost or duplicated. A background probe brings
   engines back when their health check passes. All engines down for ``engine_down_timeout_s``
-  (rollout.engine_down_timeout_s) fails the run.
+  (rollout.engine_down_timeout_s) fails the run. An engine that stops answering, its process alive
+  (no request finished and /health failing for ``engine_down_timeout_s``), is taken for dead and
+  its requests are re-issued, rather than waiting out ``request_timeout_s``.
 - A failure that never clears (sampling values every engine rejects, a reward that always times out)
   would otherwise fail sample after sample forever: ``max_failed_in_a_row`` samples failing one after
   another (rollout.max_failed_in_a_row) stop the run with one line naming the last cause. One sample
@@ -88,6 +90,9 @@ class RolloutDriver(EngineHealth):
         self._progress: Optional[asyncio.Event] = None
         self._update_lock: Optional[asyncio.Lock] = None
         self._probe_task: Optional[asyncio.Task] = None
+        self._watch_task: Optional[asyncio.Task] = None
+        self._calls: dict[str, set[asyncio.Future]] = {n: set() for n in names}   # generate calls per engine
+        self._answered = {n: 0.0 for n in names}     # when each engine last answered a generate call
         self._executor: Optional[ThreadPoolExecutor] = None
         self._error: Optional[BaseException] = None
         self._running = False
@@ -109,12 +114,13 @@ class RolloutDriver(EngineHealth):
             self._versions[name] = await self._control(engine, engine.weight_version())
         self._running, self._started_at = True, time.monotonic()
         self._probe_task = asyncio.create_task(self._probe_loop(), name="rollout-probe")
+        self._watch_task = asyncio.create_task(self._watch_live(), name="rollout-liveness")
         self._fill()
 
     async def stop(self) -> None:
         """Cancel running work (kept as pending in state_dict) and abort its requests on the engines."""
         self._running = False
-        tasks = list(self._tasks.values()) + ([self._probe_task] if self._probe_task else [])
+        tasks = list(self._tasks.values()) + [t for t in (self._probe_task, self._watch_task) if t]
         await _cancel_all(tasks)
         self._pending.extendleft(reversed(list(self._active.values())))
         self._active.clear()
@@ -298,7 +304,7 @@ class RolloutDriver(EngineHealth):
             submit_version = self._versions[engine.name]
             self._load[engine.name] += 1
             try:
-                result = await asyncio.wait_for(engine.generate(request), self.cfg.request_timeout_s)
+                result = await self._generate_on(engine, request)
                 self._append(sample, result, submit_version)
                 return result
             except ENGINE_FAILURES as exc:

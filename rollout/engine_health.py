@@ -5,7 +5,8 @@ when a call fails (aborting the request it held), and bring dead engines back wh
 driver's state: ``engines`` {name: Generator}, ``_load`` {name: requests in flight}, ``_dead`` (names),
 ``_versions`` {name: weight version}, ``_update_lock`` (held through a weight update), ``counts``,
 ``_error`` and ``_progress`` (how a failure reaches get_batch), and the timing settings
-``probe_interval_s``, ``control_timeout_s``, ``stall_timeout_s``, ``engine_down_timeout_s``, and the
+``probe_interval_s``, ``control_timeout_s``, ``stall_timeout_s``, ``engine_down_timeout_s``, the
+generate calls in flight per engine ``_calls`` and when each engine last answered ``_answered``, and the
 restart bookkeeping ``_restarting`` (names being started again: the all-down clock waits for them)
 and ``_awaiting_weights`` (restarted after the first weight update: kept out until an update gives
 them the current version, so no request runs on the initial weights).
@@ -28,7 +29,31 @@ class DriverError(RuntimeError):
     """The rollout driver cannot make progress (all engines down, a worker crashed, a stall)."""
 
 
+class EngineSilent(EngineError):
+    """The liveness watch took the engine for dead while this call waited on it."""
+
+
 class EngineHealth:
+    async def _generate_on(self, engine: Generator, request):
+        """One generate call, registered so the liveness watch can end it if the engine goes silent."""
+        call = asyncio.ensure_future(engine.generate(request))
+        self._calls[engine.name].add(call)
+        try:
+            result = await asyncio.wait_for(asyncio.shield(call), self.cfg.request_timeout_s)
+        except asyncio.CancelledError:
+            if call.cancelled() and not asyncio.current_task().cancelling():   # ended by _watch_live
+                raise EngineSilent(f"engine {engine.name}: no answer and /health failing for "
+                                   f"{self.engine_down_timeout_s:.0f}s (rollout.engine_down_timeout_s)") from None
+            call.cancel()
+            raise
+        except asyncio.TimeoutError:
+            call.cancel()
+            raise
+        finally:
+            self._calls[engine.name].discard(call)
+        self._answered[engine.name] = time.monotonic()
+        return result
+
     async def _pick_engine(self) -> Generator:
         """The least-loaded live engine; waits for a revival, fails after engine_down_timeout_s."""
         deadline = time.monotonic() + self.engine_down_timeout_s
@@ -70,6 +95,40 @@ class EngineHealth:
             with contextlib.suppress(*ENGINE_FAILURES):
                 if await asyncio.wait_for(engine.weight_version(), self.control_timeout_s) == version:
                     self._awaiting_weights.discard(name)
+
+    async def _watch_live(self) -> None:
+        """Live engines with requests in flight must keep answering: one whose calls all wait, that
+        answered nothing and failed /health for engine_down_timeout_s, is taken for dead and its calls
+        end (their samples retry elsewhere under new ids). A merely slow engine still answers /health."""
+        interval = max(self.probe_interval_s, self.engine_down_timeout_s / 4)
+        silent_since: dict[str, float] = {}
+        while self._running:
+            await asyncio.sleep(interval)
+            if self._update_lock.locked():   # paused engines answer nothing, by design
+                silent_since.clear()
+                continue
+            now = time.monotonic()
+            for name in sorted(set(self.engines) - self._dead):
+                busy = bool(self._calls[name]) and now - self._answered[name] > interval
+                if not busy or await self._healthy(self.engines[name], interval):
+                    silent_since.pop(name, None)
+                    continue
+                if now - silent_since.setdefault(name, now) >= self.engine_down_timeout_s:
+                    silent_since.pop(name)
+                    self._take_for_dead(name)
+
+    async def _healthy(self, engine: Generator, timeout_s: float) -> bool:
+        try:
+            return bool(await asyncio.wait_for(engine.health(), timeout_s))
+        except ENGINE_FAILURES:
+            return False
+
+    def _take_for_dead(self, name: str) -> None:
+        log.warning("engine %s answers nothing and fails /health for %.0fs; re-issuing its requests",
+                    name, self.engine_down_timeout_s)
+        self._dead.add(name)
+        for call in list(self._calls[name]):
+            call.cancel()
 
     async def _probe_loop(self) -> None:
         while self._running:

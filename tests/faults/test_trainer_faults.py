@@ -200,6 +200,42 @@ def test_dead_engine_is_reported_within_engine_down_timeout(tmp_path):
     assert run.saved()["trainer"]["step"] == run.state.step >= 1
 
 
+class SilentEngine(ScriptedEngine):
+    """A process that is up but answers nothing once `silence()` is called: requests hang, /health fails."""
+
+    def silence(self):
+        self.token_time_s = 3600.0
+        self.silent = True
+
+    async def health(self) -> bool:
+        return not getattr(self, "silent", False)
+
+
+def test_engine_that_goes_silent_is_taken_for_dead_and_its_requests_reissued(tmp_path):
+    # e0 is slow enough that the run still collects when e1's silence reaches engine_down_timeout_s
+    e0, e1 = ScriptedEngine("e0", token_time_s=0.05), SilentEngine("e1", token_time_s=0.002)
+    run = Run(tmp_path, [e0, e1], steps=4, engine_down_timeout_s=0.5, request_timeout_s=600.0)
+
+    async def silence_after_first_step():
+        while run.state.step < 1:
+            await asyncio.sleep(0.005)
+        e1.silence()
+
+    async def main():
+        silencer = asyncio.create_task(silence_after_first_step())
+        await run.train()
+        await silencer
+
+    started = time.monotonic()
+    asyncio.run(main())
+    assert time.monotonic() - started < GENEROUS_S / 2      # not request_timeout_s (600 s)
+    assert run.state.step == 4 and "e1" in run.driver._dead
+    reissued = [rid for rid in e0.rids if not rid.endswith("-a0")]
+    assert reissued, "no request of the silent engine was re-issued"
+    saved = run.saved()
+    assert_each_prompt_once(saved["driver"], run.trained, failed_uids(run))
+
+
 def test_engine_down_timeout_defaults_to_60s():
     recipe = load_recipe(None, ["model.path='unused'"], check_files=False)
     assert recipe.rollout.engine_down_timeout_s == 60.0
