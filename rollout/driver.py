@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import copy
 import logging
-import re
 import time
 import zlib
 from collections import deque
@@ -40,7 +39,7 @@ from typing import Iterable, Optional
 
 from rollout.buffer import GroupFilter, SampleBuffer
 from rollout.engine import EngineError, GenerateRequest, GenerateResult, Generator, settle_prefix_cache
-from rollout.engine_health import ENGINE_FAILURES, DriverError, EngineHealth
+from rollout.engine_health import ENGINE_FAILURES, DriverError, EngineHealth, rejected
 from rollout.rewards.base import apply_reward
 from rollout.staleness import StalenessStats, token_versions
 from sao_megatron.core.records import Sample, SampleStatus
@@ -409,12 +408,6 @@ class RolloutDriver(EngineHealth):
         self.counts.update(state["counts"])
         self.stats.dropped = state["dropped_stale"]
         self._current_version = state["current_version"]
-
-
-def rejected(exc: BaseException) -> bool:
-    """The engine refused the request itself (HTTP 400/422: a value out of range, a prompt too long),
-    as SGLangEngine words it; not a sign that the engine is down, and not worth a retry."""
-    return isinstance(exc, EngineError) and re.search(r"answered HTTP (400|422)\b", str(exc)) is not None
 
 
 def _work_state(sample: Sample) -> dict:

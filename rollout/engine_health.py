@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 
 from rollout.engine import EngineError, Generator
@@ -27,6 +28,12 @@ ENGINE_FAILURES = (EngineError, asyncio.TimeoutError, OSError)
 
 class DriverError(RuntimeError):
     """The rollout driver cannot make progress (all engines down, a worker crashed, a stall)."""
+
+
+def rejected(exc: BaseException) -> bool:
+    """The engine refused the request itself (HTTP 400/422: a value out of range, a prompt too long),
+    as SGLangEngine words it; not a sign that the engine is down, and not worth a retry."""
+    return isinstance(exc, EngineError) and re.search(r"answered HTTP (400|422)\b", str(exc)) is not None
 
 
 class EngineSilent(EngineError):
