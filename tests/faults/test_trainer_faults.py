@@ -470,6 +470,44 @@ def test_sao_train_sigterm_during_collection_saves_and_exits_0(tmp_path):
     assert driver["work"] and all(d["reward"] is None for d in driver["work"])   # in flight, kept for the resume
 
 
+def test_sao_train_sigkilled_mid_collection_leaves_no_process_behind(tmp_path):
+    marker = tmp_path / "collecting"
+    proc = _sao_train(tmp_path, "rollout.reward_fn='tests.faults.fault_rewards:hang_after_marking'",
+                      "rollout.reward_timeout_s=3600", env={"SAO_FAULT_MARKER": str(marker)})
+    tagged = f"SAO_FAULT_MARKER={marker}".encode()   # every process of this run inherits it
+    try:
+        deadline = time.monotonic() + 600
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert marker.exists(), proc.communicate(timeout=60)[1][-3000:]
+        family = [pid for pid in _pids_with(tagged) if pid != proc.pid]
+        assert family, "the run started no process (engine) to check"
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + GENEROUS_S
+        while [p for p in _pids_with(tagged) if _running(p)] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [p for p in _pids_with(tagged) if _running(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes outlived the SIGKILLed trainer: {left}"
+
+
+def _pids_with(env_entry: bytes) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if entry.isdigit() and env_entry in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
 def test_sao_train_reward_failing_every_sample_exits_1_with_one_line(tmp_path):
     proc = _sao_train(tmp_path, "rollout.reward_fn='tests.faults.fault_rewards:always_raise'",
                       "rollout.max_failed_in_a_row=6")
