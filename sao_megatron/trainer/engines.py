@@ -52,7 +52,9 @@ def _launch_engine(recipe: Recipe, index: int, api_key: str, run_dir: Path, port
         from rollout.reference_server import launch_local
 
         # --tp N: the server joins the weight-update group as N ranks, as an SGLang engine with tp N does
-        extra = ["--tp", str(rollout.engine_tp)] if rollout.engine_tp > 1 else None
+        extra = ["--tp", str(rollout.engine_tp)] if rollout.engine_tp > 1 else []
+        if recipe.weight_sync.method == "shard_writes":
+            extra.append("--shard-writes")   # the opt-in stand-in for per-rank writes (shard_writes.py)
         return launch_local(Path(recipe.model.path).resolve(), host=rollout.host, port=port, api_key=api_key,
                             log_path=run_dir / f"engine{index}.log", seed=recipe.run.seed + index, extra_args=extra)
     from rollout.sglang_launcher import launch_sglang

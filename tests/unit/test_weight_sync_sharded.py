@@ -152,3 +152,32 @@ def test_a_slice_that_is_not_the_ranks_own_is_refused_by_the_rank(tiny_model_dir
             asyncio.run(scenario())
     finally:
         server.stop()
+
+
+def test_sao_train_syncs_by_shard_writes_into_a_tp2_reference_server(tmp_path):
+    """The trainer end to end with weight_sync.method = shard_writes, engine TP 2 (the server started with
+    --tp 2 --shard-writes by the trainer) and check_equal after every push: two policy updates land."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "sao_megatron.cli.main", "train", str(repo / "recipes" / "tiny_moe_cpu.toml"),
+           f"run.output_dir='{tmp_path}'", "run.name='shards'", f"model.path='{tmp_path / 'model'}'",
+           "rollout.batch_size=8", "rollout.max_in_flight=8", "run.num_steps=2", "critic.warmup_steps=1",
+           "weight_sync.method='shard_writes'", "rollout.engine_tp=2", "weight_sync.check_equal=true"]
+    proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "weight version 2" in proc.stdout + proc.stderr
+    assert "2 weight-update rank(s)" in (tmp_path / "shards" / "engine0.log").read_text()
+    rows = [json.loads(line) for line in (tmp_path / "shards" / "metrics.jsonl").read_text().splitlines() if line]
+    assert sum(1 for r in rows if r.get("perf/weight_sync_sent_mb", 0) > 0) == 2
+
+
+def test_shard_writes_with_sglang_engines_is_refused_naming_the_field():
+    from sao_megatron.core.config import ConfigError, load_recipe
+
+    with pytest.raises(ConfigError, match=r"weight_sync.method.*Mooncake transfer engine"):
+        load_recipe(None, ["model.path='/nonexistent/model'", "weight_sync.method='shard_writes'",
+                           "rollout.engine='sglang'"], check_files=False)

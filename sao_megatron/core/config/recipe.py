@@ -48,6 +48,7 @@ class Recipe:
         self._check_algorithm()
         self._check_parallel()
         self._check_lengths()
+        self._check_weight_sync()
         if check_files:
             self._check_files()
 
@@ -101,6 +102,12 @@ class Recipe:
                               "point it at a jsonl/parquet file or an HF datasets folder, or clear it to use rollout.task")
         _check_writable(Path(self.run.output_dir))
         check_installed(self)
+
+    def _check_weight_sync(self) -> None:
+        if self.weight_sync.method == "shard_writes" and self.rollout.engine != "reference":
+            raise ConfigError("weight_sync.method", "'shard_writes' needs engines that take per-rank writes; SGLang "
+                              "0.5.23 takes them only through its Mooncake transfer engine, which sao does not "
+                              "drive yet (docs/weights.md)", "use 'broadcast' with rollout.engine = 'sglang'")
 
     def _check_lengths(self) -> None:
         """One whole sequence (longest prompt + response) must fit the model and one micro-batch; under
