@@ -14,7 +14,7 @@ from sao_megatron.core.config import load_recipe
 from sao_megatron.trainer.sft import _is_done, _marker, sft_batches, sft_loss_fn, sft_output_dir
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPE = REPO / "recipes" / "tiny_moe_cpu.toml"
+RECIPE = REPO / "recipes" / "tiny_sft_sao_cpu.toml"
 
 
 def test_loss_covers_response_tokens_only():
@@ -34,7 +34,7 @@ def test_loss_covers_response_tokens_only():
 def test_marker_tracks_the_sft_section(tmp_path):
     recipe = load_recipe(RECIPE, [f"run.output_dir='{tmp_path}'", "sft.steps=5"], check_files=False)
     out = sft_output_dir(recipe)
-    assert out == tmp_path / "tiny-sao" / "sft_model"
+    assert out == tmp_path / "tiny-sft-sao" / "sft_model"
     assert not _is_done(recipe, out)
     out.mkdir(parents=True)
     (out / "sao_sft.json").write_text(json.dumps(_marker(recipe)))
