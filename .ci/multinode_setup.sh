@@ -23,6 +23,8 @@ TIMEOUT="${MULTINODE_SETUP_TIMEOUT:-90}"
 
 fail() {
   echo "multinode_setup: $*" >&2
+  # the tier's skip message quotes this line (tests/multinode/multinode_cluster.py)
+  { mkdir -p "$MN_LOG" && echo "$*" > "$MN_LOG/setup_failed"; } 2>/dev/null
   for log in "$MN_LOG"/*.log; do
     [ -f "$log" ] && { echo "--- tail $log" >&2; tail -n 10 "$log" >&2; }
   done
@@ -31,6 +33,7 @@ fail() {
 
 idle_nodes() { SLURM_CONF="$MN_CONF" timeout 10 sinfo -h -N -o '%N %T' 2>/dev/null | awk '$2 == "idle"' | wc -l; }
 
+rm -f "$MN_LOG/setup_failed" 2>/dev/null || true
 [ "$(id -u)" = 0 ] || fail "needs root (network namespaces, a bridge and slurm daemons)"
 command -v ip >/dev/null || fail "the ip command (iproute2) is missing"
 command -v unshare >/dev/null || fail "unshare (util-linux) is missing"
@@ -44,9 +47,10 @@ install_packages() {
   command -v apt-get >/dev/null || fail "slurm is not installed and apt-get is missing: install slurmctld slurmd slurm-client munge"
   echo "multinode_setup: installing slurmctld slurmd slurm-client munge"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y -q slurmctld slurmd slurm-client munge >/dev/null 2>&1 || {
-    apt-get update -q >/dev/null || fail "apt-get update failed (no package registry?)"
-    apt-get install -y -q slurmctld slurmd slurm-client munge >/dev/null || fail "apt-get install of slurm failed"
+  local apt="timeout 600 apt-get"   # bounded: a stuck mirror fails the setup, the tier then skips
+  $apt install -y -q slurmctld slurmd slurm-client munge >/dev/null 2>&1 || {
+    $apt update -q >/dev/null || fail "apt-get update failed (no package registry?)"
+    $apt install -y -q slurmctld slurmd slurm-client munge >/dev/null || fail "apt-get install of slurm failed"
   }
 }
 

@@ -28,6 +28,10 @@ TRAIN = ["critic.warmup_steps=1", "rollout.batch_size=8", "rollout.max_in_flight
 
 
 def cluster_problem() -> str:
+    """Why the tier cannot run here ('' when it can): setup's own reason first when it wrote one."""
+    failed = Path("/var/log/slurm-multinode/setup_failed")
+    if failed.is_file():
+        return f".ci/multinode_setup.sh could not build the cluster: {failed.read_text().strip()}"
     if os.geteuid() != 0:
         return "the multi-node tier needs root (network namespaces and slurm daemons): run .ci/multinode_setup.sh as root"
     if not shutil.which("sbatch") or not Path(CONF).is_file():
