@@ -372,6 +372,7 @@ def test_restarted_engine_waits_out_of_rotation_until_a_weight_update_gives_it_t
         e1.version = 0                           # a new process: the initial weights
         driver.engine_restarting("e1")
         driver.engine_restarted("e1", ok=True)
+        await asyncio.sleep(0.2)                 # calls placed on e1 before the restart reach it
         before = len(e1.rids)
         await driver.get_batch(4, current_version=1)
         await asyncio.sleep(0.2)                 # probes pass /health, yet e1 stays out
