@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-unit test-distributed test-slurm bench-quick clean
+.PHONY: setup demo test test-unit test-distributed test-faults test-slurm bench-quick clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,9 @@ test-unit: $(STAMP)
 
 test-distributed: $(STAMP)
 	$(BIN)/pytest tests/distributed -q
+
+test-faults: $(STAMP)
+	$(BIN)/pytest tests/faults -q
 
 test-slurm: $(STAMP)
 	$(BIN)/pytest tests/slurm -q

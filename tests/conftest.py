@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-TIERS = {"unit", "distributed", "slurm", "gpu"}
+TIERS = {"unit", "distributed", "faults", "slurm", "multinode", "gpu"}
 
 
 def pytest_collection_modifyitems(config, items):
