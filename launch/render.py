@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from checkpoints.arch import load_recipe
+from sao_megatron.core.binding import INTERFACE_VAR
 from sao_megatron.core.config import ConfigError
 
 from .engines import API_KEY_VAR, engine_command, engine_heads, engine_slots, shell_join, write_options_lines
@@ -125,6 +126,9 @@ def _environment(recipe, job: JobLayout, paths: JobPaths) -> list[str]:
         env.update(GPU_ENV)
     env.update(_wandb_env(recipe, paths))
     env.update({str(k): str(v) for k, v in recipe.launch.env.items()})
+    if env.get(INTERFACE_VAR):   # the engines' weight-update groups too, not only the trainer ranks
+        env.setdefault("GLOO_SOCKET_IFNAME", env[INTERFACE_VAR])
+        env.setdefault("NCCL_SOCKET_IFNAME", env[INTERFACE_VAR])
     lines = ["# --- environment (launch.env in the recipe overrides the defaults)"]
     lines += [f"export {key}={shlex.quote(value)}" for key, value in env.items()]
     lines += [_wandb_mode_line(recipe),

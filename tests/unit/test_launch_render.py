@@ -223,3 +223,11 @@ def test_every_server_address_comes_from_the_nodes_bind_address_step(cpu_recipe,
     assert 'ENGINE_URLS+=("http://${ADDR_OF[${ROLLOUT_NODES[0]}]}:30000")' in script
     assert '"${ADDR_OF[${ROLLOUT_NODES[$i]}]}" &' in script   # the node's own address: its engines' --host
     assert "0.0.0.0" not in script and "api_key" not in script
+
+
+def test_a_configured_interface_reaches_gloo_and_nccl_of_every_step(cpu_recipe, tmp_path):
+    recipe = load_launch_recipe(cpu_recipe, overrides=["launch.env={SAO_INTERFACE='ib0', NCCL_SOCKET_IFNAME='ib1'}"])
+    script = render_script(recipe, _paths(tmp_path))
+    assert "export SAO_INTERFACE=ib0" in script and "export GLOO_SOCKET_IFNAME=ib0" in script
+    assert "export NCCL_SOCKET_IFNAME=ib1" in script   # a value the recipe gives wins
+    assert "SOCKET_IFNAME" not in render_script(load_launch_recipe(cpu_recipe), _paths(tmp_path))
