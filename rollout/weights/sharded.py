@@ -223,13 +223,18 @@ class ShardWriteSync(_SessionSync):
         device = payload_device(self.backend)
         for lane in self.lanes:
             lane.start_push(int(self.cfg.bucket_mb * 2**20), self.cfg.timeout_s)
-        calls = {"trainer export (slicing)": in_daemon_thread(self._produce, named_tensors)}
+        # The export runs in the producer thread on the caller's CUDA device (a new thread starts on cuda:0).
+        caller = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else device
+        calls = {"trainer export (slicing)": in_daemon_thread(pinned, caller, self._produce, named_tensors)}
         calls |= {f"trainer sender {lane.index}": in_daemon_thread(pinned, device, lane.run, device)
                   for lane in self.lanes}
         try:   # no overall deadline: every wire step and every queue wait is bounded by cfg.timeout_s
             results = await run_all(calls, f"shard writes (version {version})", None)
         except EngineError:
-            self.connected = False   # a broken lane's group is unusable: form new groups on the next push
+            # A broken lane's group is unusable, and its thread may still wait on its queue: the next
+            # push forms new groups with new lanes, so no old thread ever reads a new push's buckets.
+            self.connected = False
+            self.lanes = [_Lane(lane.index, lane.targets) for lane in self.lanes]
             raise
         self._check_acks([ack for lane_acks in results[1:] for ack in lane_acks])
         await run_all(self._each(lambda e: e.update_weight_version(version)), "update_weight_version",

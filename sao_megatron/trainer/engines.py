@@ -56,7 +56,8 @@ def _launch_engine(recipe: Recipe, index: int, api_key: str, run_dir: Path, port
         if recipe.weight_sync.method == "shard_writes":
             extra.append("--shard-writes")   # the opt-in stand-in for per-rank writes (shard_writes.py)
         return launch_local(Path(recipe.model.path).resolve(), host=rollout.host, port=port, api_key=api_key,
-                            log_path=run_dir / f"engine{index}.log", seed=recipe.run.seed + index, extra_args=extra)
+                            log_path=run_dir / f"engine{index}.log", seed=recipe.run.seed + index,
+                            extra_args=extra or None)
     from rollout.sglang_launcher import launch_sglang
 
     return launch_sglang(recipe, index=index, port=port, api_key=api_key, log_path=run_dir / f"engine{index}.log")

@@ -127,29 +127,44 @@ def test_server_without_the_flag_refuses_shard_writes_naming_it(tiny_model_dir):
         server.stop()
 
 
-def test_a_slice_that_is_not_the_ranks_own_is_refused_by_the_rank(tiny_model_dir, monkeypatch):
-    """A sender that sends whole tensors (a broadcast's bytes) to a TP-2 rank: the rank writes nothing
-    of them and its ack names the first tensor, so the push fails naming the engine and the rank."""
+def test_refusals_and_failed_exports_are_named_and_the_next_push_lands(tiny_model_dir, monkeypatch):
+    """A sender that sends whole tensors (a broadcast's bytes) to a TP-2 rank: the rank writes nothing of
+    them and its ack names the first tensor, so the push fails naming the engine and the rank. An export
+    that breaks mid-stream fails the push naming the export. The next push after both lands."""
     import rollout.weights.sharded as sharded
 
-    monkeypatch.setattr(sharded, "shard_of", lambda name, tensor, tp, rank: tensor)
+    slicer = sharded.shard_of
     server = _launch(tiny_model_dir, "--tp", "2", "--shard-writes")
     named = _new_weights(tiny_model_dir, 0.02)
+
+    def broken_export():
+        yield from named[:40]
+        raise RuntimeError("export broke")
+
+    async def push(sync, tensors, version):
+        async with sync.update_session():
+            await sync.push(tensors, version)
 
     async def scenario():
         engine = _engine(server, "tp2")
         try:
             sync = ShardWriteSync(WeightSyncConfig(method="shard_writes", bucket_mb=0.05, timeout_s=60), [engine],
                                   ranks_per_engine=2, senders=2)
-            async with sync.update_session():
-                await sync.push(named, 1)
+            monkeypatch.setattr(sharded, "shard_of", lambda name, tensor, tp, rank: tensor)
+            with pytest.raises(EngineError, match=r"engine tp2 tp_rank [01]: refused shard writes: tp_rank [01]: "
+                                                  r"weight .* holds"):
+                await push(sync, named, 1)
+            monkeypatch.setattr(sharded, "shard_of", slicer)
+            with pytest.raises(EngineError, match=r"trainer export \(slicing\): .*export broke"):
+                await push(sync, broken_export(), 2)
+            await push(sync, named, 3)
+            checked = await check_weight_update_equal([engine], named)
+            return [c.compared for c in checked], await engine.weight_version()
         finally:
             await engine.close()
 
     try:
-        with pytest.raises(EngineError, match=r"engine tp2 tp_rank [01]: refused shard writes: tp_rank [01]: "
-                                              r"weight .* holds"):
-            asyncio.run(scenario())
+        assert asyncio.run(scenario()) == ([47], 3)
     finally:
         server.stop()
 
