@@ -58,7 +58,8 @@ class _LaneFailed(RuntimeError):
 def flatten_slices(bucket: Bucket, out: Optional[torch.Tensor],
                    device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """(payload, buffer): the slices' bytes copied straight into a reused uint8 buffer, grown when needed;
-    one copy per slice even when it is strided (a row split). On the CPU through numpy: a plain
+    one copy per slice even when it is strided (a row split); a GPU slice into a CPU buffer (gloo from
+    a GPU trainer) is one device-to-host copy. CPU to CPU goes through numpy: a plain
     single-threaded copy that releases the GIL, where torch's intra-op threads, beside the lanes' own
     threads on a loaded CPU, made the same copies 10-100x slower (2 threads: 0.5-4 s for 33 MiB, 1: 0.04 s)."""
     if out is None or out.numel() < bucket.nbytes:
@@ -66,7 +67,7 @@ def flatten_slices(bucket: Bucket, out: Optional[torch.Tensor],
     flat, offset = out[: bucket.nbytes], 0
     for t in bucket.tensors:
         nbytes = t.numel() * t.element_size()
-        if flat.device.type == "cpu":
+        if flat.device.type == "cpu" and t.device.type == "cpu":
             _copy_bytes(flat[offset: offset + nbytes], t)
         else:
             flat[offset: offset + nbytes].view(t.dtype).view(t.shape).copy_(t)
