@@ -30,7 +30,7 @@ from rollout.engine import EngineError
 from sao_megatron.core.backends import resolve_backend
 from sao_megatron.core.ports import free_port
 
-from .buckets import Bucket, create_sender_group
+from .buckets import Bucket, copy_bytes, create_sender_group
 from .calls import in_daemon_thread, payload_device, pinned, run_all
 from .receiver import WeightReceiver
 from .shard_plan import shard_of
@@ -59,30 +59,19 @@ def flatten_slices(bucket: Bucket, out: Optional[torch.Tensor],
                    device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """(payload, buffer): the slices' bytes copied straight into a reused uint8 buffer, grown when needed;
     one copy per slice even when it is strided (a row split); a GPU slice into a CPU buffer (gloo from
-    a GPU trainer) is one device-to-host copy. CPU to CPU goes through numpy: a plain
-    single-threaded copy that releases the GIL, where torch's intra-op threads, beside the lanes' own
-    threads on a loaded CPU, made the same copies 10-100x slower (2 threads: 0.5-4 s for 33 MiB, 1: 0.04 s)."""
+    a GPU trainer) is one device-to-host copy; CPU to CPU through numpy (buckets.copy_bytes: torch's
+    intra-op threads, beside the lanes' own threads on a loaded CPU, made these copies 10-100x slower)."""
     if out is None or out.numel() < bucket.nbytes:
         out = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
     flat, offset = out[: bucket.nbytes], 0
     for t in bucket.tensors:
         nbytes = t.numel() * t.element_size()
         if flat.device.type == "cpu" and t.device.type == "cpu":
-            _copy_bytes(flat[offset: offset + nbytes], t)
+            copy_bytes(flat[offset: offset + nbytes], t)
         else:
             flat[offset: offset + nbytes].view(t.dtype).view(t.shape).copy_(t)
         offset += nbytes
     return flat, out
-
-
-def _copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """dst (contiguous uint8) <- the bytes of src (any dtype; its last dimension contiguous)."""
-    import numpy as np
-
-    if src.dim() == 0 or src.stride(-1) != 1:
-        src = src.reshape(-1) if src.dim() == 0 else src.contiguous()
-    raw = src.detach().view(torch.uint8).numpy()   # strided uint8 view, last dim = row bytes
-    np.copyto(dst.numpy().reshape(raw.shape), raw)
 
 
 class _Lane:
