@@ -62,8 +62,12 @@ class ShardTarget:
 
 
 def share_with_ranks(state) -> None:
-    """Once per server: move the weights to shared memory and hand them to TP ranks 1..N-1."""
+    """Once per server: move the weights to shared memory and hand them to TP ranks 1..N-1 (with one
+    rank they stay where they are)."""
     if getattr(state, "shard_params", None) is not None:
+        return
+    if state.tp_ranks.tp == 1:
+        state.shard_params = dict(state.weights.params)
         return
     params = {name: tensor.share_memory_() for name, tensor in state.weights.params.items()}
     state.tp_ranks.send("shard_attach", lambda i: params)
