@@ -84,11 +84,14 @@ def run_rank(recipe: Recipe) -> int:
     from .checkpointing import resolve_resume
 
     recipe = resolve_resume(recipe, env.rank, env.world_size)   # verified before any model is built
+    from rollout.engine import EngineError
+
     from .stopping import CollectionStopped
 
     try:
         state, stopped, saved = asyncio.run(_train(recipe, env.rank, env.world_size))
-    except CollectionStopped as err:   # a rollout fault: its one line, no traceback
+    except (CollectionStopped, EngineError) as err:   # a rollout or engine fault (e.g. an engine that died
+        # inside a weight-update window): its one line, no traceback; the run dir holds the last checkpoint
         print(f"error: {err} (run dir {recipe.run_dir})", file=sys.stderr)
         return 1
     if env.rank == 0:
