@@ -44,6 +44,13 @@ class ParsedGenerate:
 INT32_MAX = 2**31 - 1            # SGLang holds top_k in an int32 tensor (sampling_batch_info.py:147)
 SEED_RANGE = (-(2**63), 2**63 - 1)   # SGLang sampling_params.py:308
 MAX_RID_CHARS = 1024             # ours: a rid is an id, not a payload
+# SGLang 0.5.23's context refusals (tokenizer_manager.py _validate_one_request), answered 400 as
+# {"error": {"message": ...}} (http_server.py _create_error_response); pinned by test_sglang_behaviour_contract.py
+INPUT_TOO_LONG = "The input ({input} tokens) is longer than the model's context length ({context} tokens)."
+TOTAL_TOO_LONG = ("Requested token count exceeds the model's maximum context length of {context} tokens. "
+                  "You requested a total of {total} tokens: {input} tokens from the input messages and "
+                  "{new} tokens for the completion. Please reduce the number of tokens in the input messages "
+                  "or the completion to fit within the limit.")
 
 
 def _typed(value: Any, kind, name: str, allow_none: bool = False):
@@ -167,8 +174,7 @@ def parse_generate(body: Any, vocab_size: int, max_context: int, tokenizer, eos_
     bad = [t for t in input_ids if not 0 <= t < vocab_size]
     if bad:
         raise BadRequest(f"field 'input_ids' holds token {_short(bad[0])} outside the vocabulary [0, {vocab_size})")
-    if len(input_ids) >= max_context:
-        raise BadRequest(f"input is too long: {len(input_ids)} tokens >= max_context {max_context}")
+    check_context(len(input_ids), body.get("sampling_params"), max_context)
     start = _int(body, "logprob_start_len", -1, -1, None, "logprob_start_len")
     if start not in (-1, len(input_ids)):
         raise BadRequest("field 'logprob_start_len': prompt-token logprobs are not supported; use -1")
@@ -179,6 +185,19 @@ def parse_generate(body: Any, vocab_size: int, max_context: int, tokenizer, eos_
     return ParsedGenerate(rid=rid, input_ids=input_ids, params=parse_sampling(body.get("sampling_params"), eos_ids),
                           return_logprob=_flag(body, "return_logprob", False),
                           return_routes=want_routes, routes_start=routes_start)
+
+
+def check_context(input_len: int, sampling: Any, max_context: int) -> None:
+    """SGLang's two context checks, in its order and words (tokenizer_manager.py _validate_one_request,
+    without --allow-auto-truncate, which would trim instead): the prompt must be shorter than the
+    context, and prompt + an explicit max_new_tokens must fit it. An absent max_new_tokens is not
+    checked (generation then stops with `length` at the context), as in SGLang."""
+    if input_len >= max_context:
+        raise BadRequest(INPUT_TOO_LONG.format(input=input_len, context=max_context))
+    new = sampling.get("max_new_tokens") if isinstance(sampling, dict) else None
+    if isinstance(new, int) and not isinstance(new, bool) and new + input_len > max_context:
+        raise BadRequest(TOTAL_TOO_LONG.format(context=max_context, total=new + input_len, input=input_len,
+                                               new=new))
 
 
 def _rid(body: dict) -> str:

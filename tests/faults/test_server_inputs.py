@@ -332,3 +332,26 @@ def test_bad_flags_are_one_line_errors(tiny_model_dir, busy_port, flags, needle)
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("sao serve: ") and needle in lines[0], done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_prompt_plus_max_new_tokens_past_the_context_is_refused_as_sglang_does(server):
+    """SGLang 0.5.23 answers 400 when prompt + an explicit max_new_tokens exceeds the context (its
+    text, pinned in test_sglang_behaviour_contract.py); exactly the context is served, and without
+    max_new_tokens the request runs until the context ends (`length`)."""
+    prompt = [5] * 1000                                    # the fixture server's --max-context is 1024
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 25, "temperature": 0, "ignore_eos": True}}
+    status, text = _post(server.url, "/generate", json.dumps(body).encode(), AUTH)
+    assert status == 400 and set(json.loads(text)) == {"error"}
+    assert _message(text) == ("Requested token count exceeds the model's maximum context length of 1024 tokens. "
+                              "You requested a total of 1025 tokens: 1000 tokens from the input messages and 25 "
+                              "tokens for the completion. Please reduce the number of tokens in the input messages "
+                              "or the completion to fit within the limit.")
+    body["sampling_params"]["max_new_tokens"] = 24
+    status, text = _post(server.url, "/generate", json.dumps(body).encode(), AUTH)
+    assert status == 200 and len(json.loads(text)["output_ids"]) == 24, text
+    del body["sampling_params"]["max_new_tokens"]
+    status, text = _post(server.url, "/generate", json.dumps(body).encode(), AUTH)
+    reply = json.loads(text)
+    assert status == 200 and reply["meta_info"]["finish_reason"]["type"] == "length", text
+    assert len(reply["output_ids"]) == 24
+    _good_request_works(server.url)

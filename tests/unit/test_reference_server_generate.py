@@ -145,7 +145,7 @@ def test_bad_requests_get_4xx_and_server_stays_up(server):
         (json.dumps({**good, "sampling_params": {"temperature": "hot"}}), auth, 400, "temperature"),
         (json.dumps({**good, "input_ids": [1, "x"]}), auth, 400, "input_ids"),
         (json.dumps({**good, "frobnicate": 1}), auth, 400, "frobnicate"),
-        (json.dumps({**good, "input_ids": [5] * (MAX_CONTEXT + 1)}), auth, 400, "too long"),
+        (json.dumps({**good, "input_ids": [5] * (MAX_CONTEXT + 1)}), auth, 400, "longer than the model's context length"),
         (json.dumps({**good, "input_ids": [5, 10_000]}), auth, 400, "vocabulary"),
         (json.dumps({**good, "sampling_params": {"top_p": 0}}), auth, 400, "top_p"),
         (json.dumps(good), {}, 401, "API key"),

@@ -101,7 +101,8 @@ def _parse(body, **kw):
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": True}}, "max_new_tokens' must be int"),
     ({"input_ids": [1], "logprob_start_len": 0}, "prompt-token logprobs"),
     ({"input_ids": [1], "routed_experts_start_len": 2}, "routed_experts_start_len"),
-    ({"input_ids": list(range(50))}, "too long"),
+    ({"input_ids": list(range(50))}, "longer than the model.s context length"),
+    ({"input_ids": list(range(40)), "sampling_params": {"max_new_tokens": 11}}, "a total of 51 tokens: 40 tokens"),
 ])
 def test_parse_generate_rejects_with_field_names(body, needle):
     with pytest.raises(BadRequest, match=needle):

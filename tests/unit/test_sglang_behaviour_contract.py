@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ast
 
+import pytest
+
 from sglang_wheel import HTTP, IO_STRUCT, class_defaults, function, model_info_keys, refusal_message, source, \
     strings_in
 
@@ -158,3 +160,56 @@ def test_weights_checker_route_checksums():
     assert route_methods(function(HTTP, "check_weights")) == {"/weights_checker": {"GET", "POST"}}
     fields = class_defaults(IO_STRUCT, "CheckWeightsReqInput")
     assert fields == {"action": "checksum", "allow_quant_error": False, "skip_tensor_list": None, "selector": "all"}
+
+
+def _render(node: ast.JoinedStr, names: dict[str, object]) -> str:
+    """An f-string of SGLang's source with each `{expr}` replaced by names[expr]."""
+    return "".join(str(part.value) if isinstance(part, ast.Constant) else str(names[ast.unparse(part.value)])
+                   for part in node.values)
+
+
+def _raised_messages(fn: ast.AST) -> list[ast.JoinedStr]:
+    """The f-string messages of `raise ValueError(...)` (inline, or via `error_msg = f"..."`) in `fn`."""
+    assigned = {n.targets[0].id: n.value for n in ast.walk(fn) if isinstance(n, ast.Assign)
+                and isinstance(n.targets[0], ast.Name) and isinstance(n.value, ast.JoinedStr)}
+    out = []
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and \
+                getattr(node.exc.func, "id", "") == "ValueError" and node.exc.args:
+            arg = node.exc.args[0]
+            arg = assigned.get(arg.id, arg) if isinstance(arg, ast.Name) else arg
+            if isinstance(arg, ast.JoinedStr):
+                out.append(arg)
+    return out
+
+
+def test_a_request_longer_than_the_context_is_refused_with_400_in_sglangs_words():
+    """SGLang refuses prompt >= context and prompt + an explicit max_new_tokens > context (no
+    --allow-auto-truncate, the default: with it SGLang trims max_new_tokens instead); the reference
+    server refuses both with the same text; the HTTP layer answers 400 {"error": {"message"}}."""
+    from rollout.reference_server import protocol
+
+    fn = function(TOKENIZER, "TokenizerManager._validate_one_request")
+    text = ast.unparse(fn)
+    assert "if input_token_num >= self.context_len:" in text
+    assert "self.validate_total_tokens and max_new_tokens is not None and " \
+           "(max_new_tokens + input_token_num > _max_req_len)" in text
+    assert "max_new_tokens = obj.sampling_params.get('max_new_tokens')" in text   # explicit only
+    assert text.count("if self.allow_auto_truncate:") == 2                        # both checks can trim instead
+    assert "self.validate_total_tokens = True" in code(TOKENIZER, "TokenizerManager.init_model_config")
+    serving = ast.unparse(ast.parse(source("arg_groups/fields/serving.py")))
+    assert "allow_auto_truncate: A[bool, " in serving and "instead of returning an error.'] = False" in serving
+    names = {"input_token_num": 7, "self.context_len": 10, "total_tokens": 12, "max_new_tokens": 5}
+    ours = [protocol.INPUT_TOO_LONG.format(input=7, context=10),
+            protocol.TOTAL_TOO_LONG.format(context=10, total=12, input=7, new=5)]
+    theirs = [_render(m, names) for m in _raised_messages(fn)
+              if all(ast.unparse(v.value) in names for v in m.values if isinstance(v, ast.FormattedValue))]
+    assert ours[0] in theirs and ours[1] in theirs, theirs
+    assert "return _create_error_response(e)" in code(HTTP, "serve_generate_request")
+    reply = code(HTTP, "_create_error_response")
+    assert "{'error': {'message': str(e)}}" in reply and "HTTPStatus.BAD_REQUEST" in reply
+    with pytest.raises(protocol.BadRequest) as refused:
+        protocol.check_context(7, {"max_new_tokens": 5}, 10)
+    assert str(refused.value) == ours[1]
+    protocol.check_context(7, {"max_new_tokens": 3}, 10)     # exactly the context: served
+    protocol.check_context(7, {}, 10)                        # no max_new_tokens: served (stops at the context)
