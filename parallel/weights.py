@@ -4,14 +4,18 @@ Which slice a parameter holds comes from Megatron's own attributes: ``tensor_mod
 ``partition_dim`` (TP split), ``allreduce=False`` (expert parameter: split over the expert-TP group),
 each layer's ``layer_number`` and each MoE layer's ``local_expert_indices`` (PP/VPP/EP placement).
 
-Export: TP pieces are all-gathered inside each (expert-)TP group; the owner of a full tensor is the
-rank with (expert-)TP rank 0 and (expert-)DP rank 0 on the stage that holds it; owners announce
-their names (all_gather_object) and then broadcast one tensor at a time, so every rank yields the
-same sequence and holds at most one gathered tensor beyond its own full shards.
+Export, streamed: the owner of a full tensor is the rank with (expert-)TP rank 0 and (expert-)DP rank
+0 on the stage that holds it; owners announce the HF names they will make (all_gather_object of a
+catalog built on the meta device, nothing gathered yet), then the ranks walk the names in one order:
+at the turn of a Megatron tensor's first HF name every rank holding it all-gathers its TP pieces
+inside its (expert-)TP group, and each name is broadcast from its owner. Every rank yields the same
+sequence; a rank holds the tensor being gathered and the HF tensors of the previous one still waiting
+for their turn (q, v after k), never every tensor it owns.
 """
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Iterator, Mapping
 
 import torch
@@ -78,60 +82,117 @@ def _owns(param, tp_rank: int) -> bool:
     return tp_rank == 0 and dp_rank == 0
 
 
-def _owned_full_tensors(modules, base: HFMapping, value_head: bool) -> dict[str, torch.Tensor]:
-    owned: dict[str, torch.Tensor] = {}
+@dataclass
+class _Source:
+    """One local Megatron tensor, the HF tensors it makes (names, shapes, dtypes) and whether this rank
+    owns them; the catalog is built on the meta device, so nothing is gathered before its turn."""
+    name: str
+    param: torch.Tensor
+    mapping: HFMapping
+    tp: tuple
+    owns: bool
+    hf: dict          # HF name -> (shape, dtype), in to_hf order
+    value_head: bool = False
+
+
+def _convert(source: _Source, pieces: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF tensors of one source from its TP pieces (meta pieces: only the shapes)."""
+    if source.value_head:
+        yield VALUE_HEAD, pieces[0]
+        return
+    rule = source.mapping.rule(source.name)
+    full = source.mapping.unshard(rule, pieces, source.param)
+    pieces.clear()   # the caller's list too: the pieces go as soon as the full tensor exists
+    for hf_name, tensor in source.mapping.to_hf(rule, full):
+        yield hf_name, tensor.contiguous()
+
+
+def _sources(modules, base: HFMapping, value_head: bool) -> list[_Source]:
+    sources = []
     for module in modules:
         mapping = base.for_module(module)
         for name, param in _tensors(module):
             rank, size, group = _tp(param)
-            pieces = _gather_tp(param, size, group)
-            if not _owns(param, rank):
-                continue
-            if name.startswith("output_layer.") and value_head:
-                owned[VALUE_HEAD] = pieces[0].clone()
-                continue
-            rule = mapping.rule(name)
-            full = mapping.unshard(rule, pieces, param)
-            for hf_name, tensor in mapping.to_hf(rule, full):
-                owned[hf_name] = tensor.contiguous().clone()
-    return owned
+            source = _Source(name, param, mapping, (rank, size, group), _owns(param, rank), {},
+                             value_head and name.startswith("output_layer."))
+            meta = torch.empty(param.shape, dtype=param.dtype, device="meta")
+            pieces = [meta] * (size if _split_dim(param) is not None else 1)
+            source.hf = {n: (tuple(t.shape), t.dtype) for n, t in _convert(source, pieces)}
+            sources.append(source)
+    return sources
+
+
+def _gather_and_convert(source: _Source, keep: set) -> dict[str, torch.Tensor]:
+    """Every rank holding `source` takes part in its TP gather; the owner keeps the HF tensors in `keep`
+    (a copy where one would alias the live parameter: the export is a snapshot, as before)."""
+    _, size, group = source.tp
+    pieces = _gather_tp(source.param, size, group)
+    if not source.owns:
+        return {}
+    param = source.param.untyped_storage().data_ptr()
+    return {n: t.clone() if t.untyped_storage().data_ptr() == param else t
+            for n, t in _convert(source, pieces) if n in keep}
 
 
 def _natural_key(name: str):
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
-def export_hf_tensors(modules, base: HFMapping, value_head: bool = False,
-                      scope: str = "all") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) in natural name order.
-
-    scope="all": every tensor of the model, on every rank (stages broadcast theirs to all).
-    scope="stage": only the tensors this rank's pipeline stage holds, on every rank of that stage
-    (one weight sender per stage; nothing crosses stages).
-    """
-    if scope not in ("all", "stage"):
-        raise ValueError(f"export scope {scope!r}; use 'all' or 'stage'")
-    owned = _owned_full_tensors(modules, base, value_head)
+def _catalog(sources: list[_Source], scope: str):
+    """(owner: HF name -> (source rank, shape, dtype), this rank, group) over the export's ranks;
+    the owner of a name is the first rank that owns it, as every rank computes alike."""
+    mine = {n: meta for s in sources if s.owns for n, meta in s.hf.items()}
     if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        for name in sorted(owned, key=_natural_key):
-            yield name, owned[name]
-        return
+        return {n: (0, *meta) for n, meta in mine.items()}, 0, None
     group = None
     if scope == "stage":
         from .distributed import pipeline_stage_group
 
         _, group, _ = pipeline_stage_group()
-    rank = torch.distributed.get_rank()
     members = torch.distributed.get_process_group_ranks(group) if group is not None else \
         list(range(torch.distributed.get_world_size()))
     catalog = [None] * len(members)
-    torch.distributed.all_gather_object(catalog, {n: (tuple(t.shape), t.dtype) for n, t in owned.items()}, group=group)
+    torch.distributed.all_gather_object(catalog, mine, group=group)
     owner = {}
     for src, names in zip(members, catalog):
         for name, meta in names.items():
-            owner.setdefault(name, (src, meta))
-    for name in sorted(owner, key=_natural_key):
-        src, (shape, dtype) = owner[name]
-        tensor = owned[name] if src == rank else torch.empty(shape, dtype=dtype, device=comm_device())
-        torch.distributed.broadcast(tensor, src=src, group=group)
+            owner.setdefault(name, (src, *meta))
+    return owner, torch.distributed.get_rank(), group
+
+
+def export_hf_tensors(modules, base: HFMapping, value_head: bool = False,
+                      scope: str = "all") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) in natural name order, streamed.
+
+    scope="all": every tensor of the model, on every rank (stages broadcast theirs to all).
+    scope="stage": only the tensors this rank's pipeline stage holds, on every rank of that stage
+    (one weight sender per stage; nothing crosses stages).
+
+    A Megatron tensor is gathered at the turn of the first HF name it makes (every rank holding it
+    joins its TP gather then, so each group's collectives run in the same order on its ranks), and
+    its other HF tensors wait for their own turns: the export holds one tensor being gathered and
+    what is left of the one before it (weight_sync.max_sender_mb bounds the sender: docs/weights.md).
+    """
+    if scope not in ("all", "stage"):
+        raise ValueError(f"export scope {scope!r}; use 'all' or 'stage'")
+    sources = _sources(modules, base, value_head)
+    owner, rank, group = _catalog(sources, scope)
+    order = sorted(owner, key=_natural_key)
+    turn = {name: i for i, name in enumerate(order)}
+    due: dict[int, _Source] = {}
+    for source in sources:
+        turns = [turn[n] for n in source.hf if n in turn]
+        if turns:
+            due[min(turns)] = source
+    keep = {n for n, (src, _, _) in owner.items() if src == rank}
+    ready: dict[str, torch.Tensor] = {}
+    distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    for i, name in enumerate(order):
+        if i in due:
+            ready.update(_gather_and_convert(due.pop(i), keep))
+        src, shape, dtype = owner[name]
+        tensor = ready.pop(name) if src == rank else torch.empty(shape, dtype=dtype, device=comm_device())
+        if distributed:
+            torch.distributed.broadcast(tensor, src=src, group=group)
         yield name, tensor
+        del tensor

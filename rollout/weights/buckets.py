@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional
 
 import torch
 
@@ -29,6 +29,7 @@ class Bucket:
     names: list[str]
     tensors: list[torch.Tensor]
     nbytes: int = 0
+    header: Optional[tuple] = None   # meta() kept by release()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         self.names.append(name)
@@ -43,8 +44,17 @@ class Bucket:
 
     def meta(self) -> tuple[list[str], list[str], list[list[int]]]:
         """(names, dtype names as SGLang resolves them with getattr(torch, name), shapes)."""
+        if self.header is not None:
+            return self.header
         return (list(self.names), [str(t.dtype).removeprefix("torch.") for t in self.tensors],
                 [list(t.shape) for t in self.tensors])
+
+    def release(self) -> "Bucket":
+        """Drop the tensors once the payload holds their bytes, keeping meta(): a bucket on the wire
+        holds its flat payload only (the sender's memory bound, weight_sync.max_sender_mb)."""
+        self.header = self.meta()
+        self.tensors = []
+        return self
 
     def flatten(self, device: str | torch.device = "cpu", out: torch.Tensor | None = None) -> torch.Tensor:
         """The payload, written into `out` (a reusable uint8 buffer of >= nbytes) when given. A copy loop

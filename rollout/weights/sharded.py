@@ -139,6 +139,7 @@ class _Lane:
                 in_flight[slot].wait()
             flat, self._buffers[slot] = flatten_slices(bucket, self._buffers[slot], device)
             names, dtypes, shapes = bucket.meta()
+            del item, bucket   # the payload holds the bytes: no slice (a view of a full tensor) waits here
             in_flight[slot] = self._wire(j, lambda: send_bucket(
                 {"names": names, "dtypes": dtypes, "shapes": shapes}, flat, j + 1, self.group))
             self.sent[j] += flat.numel()

@@ -239,6 +239,7 @@ class BroadcastWeightSync(_SessionSync):
         try:
             for i, bucket in enumerate(iter_buckets(non_expert_first(named_tensors, bucket_bytes), bucket_bytes)):
                 flat = await asyncio.to_thread(pinned, device, bucket.flatten, device, buffers[i % 2])
+                bucket.release()
                 if buffers[i % 2] is None or flat.numel() > buffers[i % 2].numel():
                     buffers[i % 2] = flat
                 if in_flight is not None:

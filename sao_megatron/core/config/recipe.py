@@ -144,6 +144,9 @@ def check_model_fits_layout(recipe: Recipe, hf: dict) -> None:
 
     world = recipe.parallel.resolved_world_size()
     ParallelDims.from_config(recipe.parallel, world).validate(world, shape_from_hf(hf))
+    from .sender_budget import check_sender_budget
+
+    check_sender_budget(recipe, hf)   # weight_sync.max_sender_mb against the streamed export's need
     if recipe.model.max_seq_len > hf.get("max_position_embeddings", 1 << 30):
         raise ConfigError("model.max_seq_len", f"{recipe.model.max_seq_len} exceeds the model's "
                           f"max_position_embeddings {hf['max_position_embeddings']}", "lower model.max_seq_len")

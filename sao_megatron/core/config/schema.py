@@ -263,6 +263,10 @@ class WeightSyncConfig:
                            bounds="(0, 86400]")
     check_equal: bool = doc(False, "After each sync compare engine tensors against the trainer's (slow).")
     disk_dir: str = doc("", "Directory for the disk method ('' = <run_dir>/weights).")
+    max_sender_mb: float = doc(
+        32768.0, "Bound on what a broadcast sender holds during a push beyond its model shards (flat buffers, "
+        "buckets, the tensor being gathered); the recipe check refuses one below what streaming needs for the "
+        "model (docs/weights.md, Sender memory).", bounds="> 0")
     senders: Literal["per_stage", "driver"] = doc(
         "per_stage", "broadcast with pipeline parallelism: each stage's first rank sends its own layers "
         "on its own group (per_stage), or every stage gathers to rank 0, the one sender (driver).")
