@@ -4,7 +4,9 @@
 own pid/network/ipc namespaces, a fresh /proc, an empty environment, a read-only view of /usr and
 the Python installation, a private writable working dir and /tmp, and rlimits (CPU seconds strictly
 below the wall limit, address space, file size, processes, open files) before the interpreter starts;
-as root it also runs under a fresh unprivileged uid (sandbox_bwrap.py). Where bwrap is missing or
+as root it also runs under a fresh unprivileged uid (sandbox_bwrap.py), and a seccomp filter refuses
+namespaces, mounts, ptrace, bpf and other kernel attack surface (sandbox_seccomp.py; where libseccomp
+is missing the run goes ahead without it and ``SandboxResult.seccomp`` is False). Where bwrap is missing or
 cannot create namespaces, ``run_python`` raises ``SandboxUnavailable`` with one line naming the fix
 and the recipe field: it never silently runs untrusted code without isolation.
 
@@ -34,6 +36,7 @@ from typing import Optional
 from rollout.sandbox_bwrap import (ENV, SANDBOX_DIR, UNSAFE, NamespaceInit, SandboxUnavailable, bwrap_command, mib,
                                    nproc_for, pick_uid, prepare_box, require_bwrap, rlimit_args)
 from rollout.sandbox_guard import GUARD
+from rollout.sandbox_seccomp import program_fd
 
 ISOLATIONS = ("bwrap", UNSAFE)
 TAIL_BYTES = 4096
@@ -77,6 +80,7 @@ class SandboxResult:
     network_isolated: bool = False     # the run had no network (own namespace)
     stdout_tail: str = ""              # the last 4 KiB of stdout, however long it was
     isolation: str = "bwrap"
+    seccomp: bool = False              # the run had the seccomp filter (bwrap with libseccomp here)
 
     @property
     def ok(self) -> bool:
@@ -120,7 +124,8 @@ def _limit_arg(limits: SandboxLimits) -> str:
     return f"{limits.cpu_time_s},{mib(limits.memory_mb)},{mib(limits.file_size_mb)},{limits.open_files}"
 
 
-def _command(scratch: Path, limits: SandboxLimits, info_fd: Optional[int]) -> tuple[list[str], Path, bool]:
+def _command(scratch: Path, limits: SandboxLimits, info_fd: Optional[int],
+             seccomp_fd: Optional[int]) -> tuple[list[str], Path, bool]:
     """(argv, working dir on this side, network isolated) for the run's isolation mode."""
     box = scratch / "box"
     if limits.isolation == "bwrap":
@@ -131,7 +136,7 @@ def _command(scratch: Path, limits: SandboxLimits, info_fd: Optional[int]) -> tu
         rlimits = rlimit_args(limits.cpu_time_s, mib(limits.memory_mb), mib(limits.file_size_mb),
                               limits.open_files, nproc_for(limits.max_processes))
         cmd = bwrap_command(str(box), guard_argv, uid=uid, limits=rlimits, network=limits.network,
-                            tmp_bytes=mib(limits.tmp_mb), info_fd=info_fd)
+                            tmp_bytes=mib(limits.tmp_mb), info_fd=info_fd, seccomp_fd=seccomp_fd)
         return cmd, box, not limits.network
     box.mkdir(mode=0o700)
     unshare = network_namespace_command() if not limits.network else []
@@ -144,17 +149,19 @@ async def _run_in(scratch: Path, code: str, limits: SandboxLimits, files: dict[s
     bwrap = limits.isolation == "bwrap"
     info_r, info_w = os.pipe() if bwrap else (-1, -1)
     init = NamespaceInit(info_r) if bwrap else None
+    seccomp_fd = program_fd() if bwrap else None
+    inherited = tuple(fd for fd in (info_w, seccomp_fd) if fd is not None and fd >= 0)
     try:
-        cmd, box, isolated = _command(scratch, limits, info_w if bwrap else None)
+        cmd, box, isolated = _command(scratch, limits, info_w if bwrap else None, seccomp_fd)
         for name, text in {**files, "_guard.py": GUARD, "main.py": code}.items():
             (box / name).write_text(text)
         with open(scratch / ".stdout", "wb") as out, open(scratch / ".stderr", "wb") as err:
             proc = await asyncio.create_subprocess_exec(
                 *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err, cwd=box,
-                env=_env(limits, box), start_new_session=True, pass_fds=(info_w,) if bwrap else ())
+                env=_env(limits, box), start_new_session=True, pass_fds=inherited)
     finally:
-        if bwrap:
-            os.close(info_w)
+        for fd in inherited:
+            os.close(fd)
     learned = asyncio.ensure_future(asyncio.to_thread(init.learn)) if init else None
     timed_out = await _wait(proc, init, learned, limits.wall_time_s)
     returncode = _signal_code(proc.returncode) if bwrap else proc.returncode
@@ -162,7 +169,7 @@ async def _run_in(scratch: Path, code: str, limits: SandboxLimits, files: dict[s
     stderr = _read_head(scratch / ".stderr", limits.max_output_bytes)
     limit = _which_limit(returncode, stderr, timed_out)
     return SandboxResult(returncode, stdout, stderr, limit, isolated, _read_tail(scratch / ".stdout"),
-                         limits.isolation)
+                         limits.isolation, seccomp_fd is not None)
 
 
 async def _wait(proc, init: Optional[NamespaceInit], learned, wall_time_s: float) -> bool:

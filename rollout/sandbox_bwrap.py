@@ -9,7 +9,9 @@ What the sandboxed process gets (see docs/rollout.md, "Sandbox"):
   no home, no project tree; a private writable working dir (/sandbox) and a size-capped /tmp;
 - a new session (no terminal to inject keystrokes into), SIGKILL when bwrap's parent dies;
 - rlimits set by `prlimit` before the interpreter starts: CPU seconds, address space, written-file
-  size, processes, open files, no core dumps.
+  size, processes, open files, no core dumps;
+- a seccomp filter (sandbox_seccomp.py, applied by bwrap before the command's exec) that refuses
+  namespaces, mounts, ptrace, bpf, keyrings and the like, where libseccomp is installed.
 
 RLIMIT_NPROC is not enforced for root, and a user namespace made by root still maps to root, so when
 we are root bwrap runs without a user namespace and the command drops to a fresh unprivileged uid
@@ -32,6 +34,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from rollout.sandbox_seccomp import program_fd
 from sao_megatron.core.config.errors import ConfigError
 
 SANDBOX_DIR = "/sandbox"
@@ -128,10 +131,12 @@ def rlimit_args(cpu_s: int, as_bytes: int, fsize_bytes: int, nofile: int, nproc:
 
 
 def bwrap_command(box: str, argv: list[str], *, uid: Optional[int], limits: list[str], network: bool,
-                  tmp_bytes: int, info_fd: Optional[int] = None) -> list[str]:
-    """The full command: bwrap, then (as root) setpriv to `uid`, then prlimit `limits`, then `argv`."""
+                  tmp_bytes: int, info_fd: Optional[int] = None, seccomp_fd: Optional[int] = None) -> list[str]:
+    """The full command: bwrap, then (as root) setpriv to `uid`, then prlimit `limits`, then `argv`;
+    bwrap applies the seccomp program read from `seccomp_fd` (sandbox_seccomp.py) to all of it."""
     args = [shutil.which("bwrap") or "bwrap", "--die-with-parent", "--new-session", "--clearenv"]
     args += ["--info-fd", str(info_fd)] if info_fd is not None else []
+    args += ["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []
     args += _namespaces(network) + _system_mounts() + _readonly_binds(_python_roots())
     args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
     args += ["--bind", box, SANDBOX_DIR, "--chdir", SANDBOX_DIR]
@@ -168,12 +173,17 @@ def bwrap_problem() -> Optional[str]:
         uid = pick_uid()
         box = Path(tmp) / "box"
         prepare_box(box, uid)
+        seccomp_fd = program_fd()         # probed with the filter every run gets
         cmd = bwrap_command(str(box), ["/usr/bin/true"], uid=uid, network=False, tmp_bytes=1 << 20,
-                            limits=rlimit_args(5, 1 << 30, 1 << 20, 64, nproc_for(8)))
+                            limits=rlimit_args(5, 1 << 30, 1 << 20, 64, nproc_for(8)), seccomp_fd=seccomp_fd)
         try:
-            proc = subprocess.run(cmd, capture_output=True, timeout=60, env=ENV, stdin=subprocess.DEVNULL)
+            proc = subprocess.run(cmd, capture_output=True, timeout=60, env=ENV, stdin=subprocess.DEVNULL,
+                                  pass_fds=() if seccomp_fd is None else (seccomp_fd,))
         except (OSError, subprocess.TimeoutExpired) as exc:
             return f"bwrap did not run ({exc})"
+        finally:
+            if seccomp_fd is not None:
+                os.close(seccomp_fd)
     if proc.returncode != 0:
         err = (proc.stderr.decode(errors="replace").strip().splitlines() or [f"exit {proc.returncode}"])[-1]
         return f"bwrap cannot create the sandbox here ({err})"
