@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from rollout.sandbox_seccomp import program_fd
+from rollout.sandbox_seccomp import disable, program_fd
 from sao_megatron.core.config.errors import ConfigError
 
 SANDBOX_DIR = "/sandbox"
@@ -163,27 +163,38 @@ def nproc_for(limit: int) -> int:
 
 @functools.lru_cache(maxsize=1)
 def bwrap_problem() -> Optional[str]:
-    """None when bwrap isolates here, else the one-line reason (probed once per process)."""
+    """None when bwrap isolates here, else the one-line reason (probed once per process). The probe
+    runs with the seccomp filter every run gets; if only the filter stops bwrap (a kernel without
+    seccomp filters), runs go ahead without it and the log and SandboxResult.seccomp say so."""
     missing = [tool for tool in ("bwrap", "prlimit") + (("setpriv",) if is_root() else ()) if not shutil.which(tool)]
     if missing:
         return f"{', '.join(missing)} not found, so model-written code cannot be isolated"
+    seccomp_fd = program_fd()
+    problem = _probe(seccomp_fd)
+    if problem and seccomp_fd is not None and _probe(None) is None:
+        disable(f"bwrap could not load it here ({problem})")
+        return None
+    return problem
+
+
+def _probe(seccomp_fd: Optional[int]) -> Optional[str]:
+    """Run /usr/bin/true in a sandbox (closing `seccomp_fd`): None when it worked, else why not."""
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="sao-sandbox-probe-") as tmp:
-        uid = pick_uid()
-        box = Path(tmp) / "box"
-        prepare_box(box, uid)
-        seccomp_fd = program_fd()         # probed with the filter every run gets
-        cmd = bwrap_command(str(box), ["/usr/bin/true"], uid=uid, network=False, tmp_bytes=1 << 20,
-                            limits=rlimit_args(5, 1 << 30, 1 << 20, 64, nproc_for(8)), seccomp_fd=seccomp_fd)
-        try:
+    try:
+        with tempfile.TemporaryDirectory(prefix="sao-sandbox-probe-") as tmp:
+            uid = pick_uid()
+            box = Path(tmp) / "box"
+            prepare_box(box, uid)
+            cmd = bwrap_command(str(box), ["/usr/bin/true"], uid=uid, network=False, tmp_bytes=1 << 20,
+                                limits=rlimit_args(5, 1 << 30, 1 << 20, 64, nproc_for(8)), seccomp_fd=seccomp_fd)
             proc = subprocess.run(cmd, capture_output=True, timeout=60, env=ENV, stdin=subprocess.DEVNULL,
                                   pass_fds=() if seccomp_fd is None else (seccomp_fd,))
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return f"bwrap did not run ({exc})"
-        finally:
-            if seccomp_fd is not None:
-                os.close(seccomp_fd)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bwrap did not run ({exc})"
+    finally:
+        if seccomp_fd is not None:
+            os.close(seccomp_fd)
     if proc.returncode != 0:
         err = (proc.stderr.decode(errors="replace").strip().splitlines() or [f"exit {proc.returncode}"])[-1]
         return f"bwrap cannot create the sandbox here ({err})"

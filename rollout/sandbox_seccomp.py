@@ -152,23 +152,40 @@ def build() -> bytes:
     return program
 
 
+# Why bwrap could not load a program that libseccomp built (set by sandbox_bwrap's probe), else None.
+DISABLED: Optional[str] = None
+
+
+def _warn(problem: str) -> None:
+    log.warning("sandbox: no seccomp filter (%s); bwrap's namespaces and rlimits still isolate", problem)
+
+
 @functools.lru_cache(maxsize=1)
 def compiled() -> tuple[Optional[bytes], Optional[str]]:
     """(program, None), or (None, why the sandbox runs without a filter here): built once per process,
     the reason logged once."""
+    if DISABLED:
+        return None, DISABLED
     try:
         return build(), None
     except OSError as exc:
-        problem = str(exc)
-        log.warning("sandbox: no seccomp filter (%s); bwrap's namespaces and rlimits still isolate", problem)
-        return None, problem
+        _warn(str(exc))
+        return None, str(exc)
+
+
+def disable(problem: str) -> None:
+    """No filter from now on in this process (bwrap's probe found it cannot load one here)."""
+    global DISABLED
+    DISABLED = problem
+    compiled.cache_clear()
+    _warn(problem)
 
 
 def program_fd() -> Optional[int]:
     """A fresh fd holding the program at offset 0, for bwrap's `--seccomp FD` (bwrap reads it to the
     end, so each run needs its own); None where there is no filter. The caller closes it."""
     program, _ = compiled()
-    if program is None:
+    if program is None or DISABLED:
         return None
     fd = os.memfd_create("sao-seccomp")
     try:

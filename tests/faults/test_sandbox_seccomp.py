@@ -154,3 +154,23 @@ def test_the_program_refuses_mount_chroot_and_unshare_even_to_root(nr):
         pytest.skip("this machine does not let root make a mount namespace")
     assert proc.returncode == 0, proc.stderr.decode()
     assert proc.stdout.decode().split() == ["OK", "EPERM", "EPERM", "EPERM", "EPERM"]
+
+
+def test_a_filter_bwrap_cannot_load_is_dropped_by_the_probe_and_the_runs_say_so(monkeypatch, caplog):
+    """A kernel without seccomp filters makes bwrap fail on --seccomp: the probe then runs without it
+    (logged once), rather than refusing every sandbox run."""
+    import rollout.sandbox_bwrap as sandbox_bwrap
+
+    invalid = b"\x00" * 8                  # one load instruction and no return: the kernel refuses it
+    monkeypatch.setattr(sandbox_seccomp, "build", lambda: invalid)
+    monkeypatch.setattr(sandbox_seccomp, "DISABLED", None)
+    sandbox_seccomp.compiled.cache_clear()
+    sandbox_bwrap.bwrap_problem.cache_clear()
+    try:
+        assert sandbox_bwrap.bwrap_problem() is None
+        assert "bwrap could not load it here" in sandbox_seccomp.DISABLED and "no seccomp filter" in caplog.text
+        r = asyncio.run(run_python("print('still isolated')", LIMITS))
+        assert r.ok and r.stdout == "still isolated\n" and r.seccomp is False
+    finally:
+        sandbox_bwrap.bwrap_problem.cache_clear()
+        sandbox_seccomp.compiled.cache_clear()
