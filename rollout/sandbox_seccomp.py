@@ -10,10 +10,10 @@ interpreter, threads, subprocesses and pip behave as before.
 It is built with libseccomp through ctypes (no Python binding, no new dependency), exported as the
 compiled BPF program bwrap's `--seccomp FD` takes, and applied by bwrap to the sandboxed command
 only, right before its exec. libseccomp's program first checks the architecture: a syscall made
-through another ABI (i386 `int 0x80` or x32 on x86_64) kills the process, so the deny list cannot
-be sidestepped by syscall number. Where libseccomp is missing (or the machine is neither x86_64
-nor aarch64), `compiled()` says why, once in the log, and the sandbox runs with bwrap's isolation
-alone (`SandboxResult.seccomp` is False).
+through another ABI (i386 `int 0x80` or x32 on x86_64) kills the calling thread, so the deny list
+cannot be sidestepped by syscall number. Where libseccomp is missing, the machine is neither x86_64
+nor aarch64, or bwrap cannot load the program (sandbox_bwrap's probe calls `disable`), the reason is
+logged once and the sandbox runs with bwrap's isolation alone (`SandboxResult.seccomp` is False).
 """
 from __future__ import annotations
 
