@@ -55,6 +55,7 @@ def sft_from_recipe(recipe: Recipe) -> int:
     """Entry point of `sao sft`: one rank in-process, or `parallel.world_size` ranks under torchrun."""
     from .entry import prepare_run_dir
 
+    check_sft_data(recipe)
     prepare_run_dir(recipe)   # the base model (init_preset) and the run directory
     world = recipe.parallel.resolved_world_size()
     if world > 1 and "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ \
@@ -67,6 +68,28 @@ def sft_from_recipe(recipe: Recipe) -> int:
         return subprocess.call(cmd)
     run_sft_rank(recipe)
     return 0
+
+
+def check_sft_data(recipe: Recipe) -> None:
+    """Refuse, before any model is built, SFT data that cannot give a prompt/response pair."""
+    import random
+
+    from sao_megatron.core.config import ConfigError
+
+    if recipe.sft.dataset:
+        if not Path(recipe.sft.dataset).is_file():
+            raise ConfigError("sft.dataset", f"{recipe.sft.dataset} does not exist",
+                              "give a jsonl file of {'prompt', 'response'} rows")
+        return
+    from rollout.rewards.tasks import get_task
+
+    field = "sft.task" if recipe.sft.task else "rollout.task"
+    try:
+        task = get_task(_sft_task(recipe))
+        task.solution(task.make(random.Random(0)).label)
+    except ValueError as err:
+        raise ConfigError(field, str(err).removeprefix("rollout.task: "),
+                          "use a task with reference answers (chain:K:D, arithmetic, copy) or set sft.dataset") from None
 
 
 def run_sft_rank(recipe: Recipe) -> Path:
@@ -135,10 +158,6 @@ def _sft_source(recipe: Recipe):
 
     tokenizer = AutoTokenizer.from_pretrained(recipe.model.path)
     cfg = dataclasses.replace(recipe.rollout, dataset=recipe.sft.dataset, task=_sft_task(recipe))
-    if cfg.dataset and not Path(cfg.dataset).exists():
-        from sao_megatron.core.config import ConfigError
-
-        raise ConfigError("sft.dataset", f"{cfg.dataset} does not exist", "give a jsonl of prompt/response rows")
     return build_prompt_source(cfg, tokenizer, seed=recipe.run.seed * 7919 + 17), tokenizer
 
 

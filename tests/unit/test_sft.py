@@ -94,11 +94,44 @@ def test_train_chains_sft_then_rl_and_runs_sft_once(sft_run):
                  "rollout.max_in_flight=8")
     proc = _sao(tmp, "train", *overrides)
     out = tmp / "sft" / "sft_model"
-    assert "already holds this recipe's SFT model" in proc.stderr      # the `sao sft` result is reused
+    assert "already holds this recipe's SFT model" in proc.stderr, proc.stderr[-3000:]   # `sao sft`'s model reused
     resolved = load_recipe(tmp / "sft" / "resolved_recipe.toml", check_files=False)
     assert Path(resolved.model.path) == out                          # RL ranks load the SFT model
     rows = _rows(tmp / "sft" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2], proc.stderr[-3000:]
     # the SFT model learned to answer and stop (EOS); the random init runs to max_new_tokens (8)
-    assert rows[0]["rollout/response_len"] < 4.0, rows[0]["rollout/response_len"]
+    assert rows[0]["rollout/response_len"] < 4.0, rows
     assert "rollout/accuracy" in rows[0] and "critic/value0_return_corr" in rows[0]
+
+
+@pytest.mark.parametrize("overrides,field", [(["sft.task='countdown'"], "sft.task"),
+                                             (["sft.task='chain:9:9'"], "sft.task"),
+                                             (["sft.dataset='/nonexistent/pairs.jsonl'"], "sft.dataset")])
+def test_unusable_sft_data_is_a_recipe_error(tmp_path, overrides, field):
+    from sao_megatron.core.config import ConfigError
+    from sao_megatron.trainer.sft import check_sft_data
+
+    recipe = load_recipe(RECIPE, [f"run.output_dir='{tmp_path}'", *overrides], check_files=False)
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        check_sft_data(recipe)
+    assert not (tmp_path / "tiny-sft-sao").exists()             # refused before the run directory
+
+
+def test_jsonl_pairs_feed_sft(tmp_path, tiny_model_dir):
+    """A dataset row's `response` is the target; the prompt goes through the chat template."""
+    from transformers import AutoTokenizer
+
+    from sao_megatron.trainer.sft import _sft_source, next_pair
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(json.dumps({"prompt": "2+2=", "response": "4"}) + "\n")
+    recipe = load_recipe(RECIPE, [f"model.path='{tiny_model_dir}'", f"sft.dataset='{data}'"], check_files=False)
+    source, tokenizer = _sft_source(recipe)
+    prompt_ids, response_ids = next_pair(source, tokenizer, recipe)
+    assert tokenizer.decode(prompt_ids).endswith("2+2=<|im_end|>\n<|im_start|>assistant\n")
+    assert response_ids == tokenizer.encode("4", add_special_tokens=False) + [tokenizer.eos_token_id]
+
+
+def test_demo_recipe_chains_sft_then_sao():
+    recipe = load_recipe(RECIPE, check_files=False)
+    assert recipe.sft.steps > 0 and recipe.algorithm.name == "sao" and recipe.rollout.task.startswith("chain:")
