@@ -20,12 +20,21 @@ from pathlib import Path
 NUM_REQUESTS = 32
 
 
-def workload(quick: bool, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
-    """(prompt, max_new_tokens) per request: prompts 8-64 tokens, budgets 8-64 (quick) or 16-256."""
+def workload(quick: bool, vocab: int, seed: int = 0, context: int | None = None) -> list[tuple[list[int], int]]:
+    """(prompt, max_new_tokens) per request: prompts 8-64 tokens, budgets 8-64 (quick) or 16-256, each
+    capped so prompt + budget fits `context` (the server's --max-context, by default the model's
+    max_position_embeddings): the server, as SGLang, refuses a request past it."""
+    from rollout.context import fit_max_new_tokens
+
     rng = random.Random(seed)
     low, high = (8, 64) if quick else (16, 256)
-    return [([rng.randrange(7, vocab) for _ in range(rng.randrange(8, 65))], rng.randrange(low, high + 1))
-            for _ in range(NUM_REQUESTS)]
+    jobs = []
+    for _ in range(NUM_REQUESTS):
+        prompt = [rng.randrange(7, vocab) for _ in range(rng.randrange(8, 65))]
+        budget = fit_max_new_tokens(len(prompt), len(prompt), rng.randrange(low, high + 1), context,
+                                    field="max_position_embeddings")
+        jobs.append((prompt, budget))
+    return jobs
 
 
 async def _server_run(url: str, api_key: str, jobs, warmup: bool) -> float:
@@ -94,8 +103,8 @@ def run(quick: bool = False, model_dir: str | None = None) -> dict:
         model_dir = model_dir or str(init_model(Path(tmp) / preset, preset=preset, seed=0))
         import transformers
 
-        vocab = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
-        jobs = workload(quick, vocab)
+        config = transformers.AutoConfig.from_pretrained(model_dir)
+        jobs = workload(quick, config.vocab_size, context=config.max_position_embeddings)
         # one torch thread on each side: on a shared CPU box, OpenMP teams of 2+ threads stall
         # whenever a neighbour takes a core, which swung 2-thread timings 10x between runs
         threads = 1

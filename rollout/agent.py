@@ -11,8 +11,10 @@ episode with ``metadata["submitted"]`` (which the task rewards score); EOS witho
 with the plain response.
 
 Budgets: ``max_turns`` model turns, ``max_total_tokens`` response tokens (actions + observations),
-``max_turn_tokens`` per turn, ``max_observation_tokens`` per tool output. An exhausted budget
-ends the episode as TRUNCATED; an observation that would not fit is not appended.
+``max_turn_tokens`` per turn, ``max_observation_tokens`` per tool output, and ``context_length``
+(model.max_seq_len) for prompt + response: SGLang refuses a request past its context, so the turn
+function caps each turn to it (rollout/context.py), and an observation that would fill it is not
+appended. An exhausted budget ends the episode as TRUNCATED.
 
 The loop is re-entrant: its state is the sample itself (``metadata["turns"]`` and the tokens), so a
 sample restored from a checkpoint mid-episode continues where it stopped.
@@ -55,11 +57,13 @@ def parse_tool_call(text: str) -> Optional[ToolCall | str]:
 
 class ToolAgent:
     def __init__(self, tokenizer, *, max_turns: int = 4, max_total_tokens: int = 256, max_turn_tokens: int = 64,
-                 max_observation_tokens: int = 64, sandbox_limits: SandboxLimits = SandboxLimits(wall_time_s=5)):
+                 max_observation_tokens: int = 64, sandbox_limits: SandboxLimits = SandboxLimits(wall_time_s=5),
+                 context_length: Optional[int] = None):
         self.tokenizer = tokenizer
         self.max_turns, self.max_total_tokens = max_turns, max_total_tokens
         self.max_turn_tokens, self.max_observation_tokens = max_turn_tokens, max_observation_tokens
         self.sandbox_limits = sandbox_limits
+        self.context_length = context_length
         self.call_end = self._special_id("</tool_call>")
         self.stop_ids = [tokenizer.eos_token_id, self.call_end]
 
@@ -116,11 +120,15 @@ class ToolAgent:
         output = await self._run_tool(call)
         prefix = "" if not isinstance(call, ToolCall) or call.closed else "</tool_call>"
         ids = self._observation_ids(prefix, output)
-        if len(sample.response_ids) + len(ids) >= self.max_total_tokens:
+        if len(sample.response_ids) + len(ids) >= self.max_total_tokens or self._fills_context(sample, ids):
             sample.status = SampleStatus.TRUNCATED
             return False
         append_observation(sample, ids)
         return True
+
+    def _fills_context(self, sample: Sample, ids: list[int]) -> bool:
+        """Whether appending `ids` would leave no room in the context for the next turn's first token."""
+        return self.context_length is not None and sample.num_tokens + len(ids) >= self.context_length
 
     async def _run_tool(self, call) -> str:
         if isinstance(call, str):

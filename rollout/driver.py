@@ -23,6 +23,8 @@ How it works (one asyncio event loop, the trainer's):
   "in_place" mode requests keep running; see rollout/staleness.py for how tokens are tagged.
 - get_batch applies the staleness bound to ready samples (drop or regenerate) and returns the
   oldest whole groups.
+- ``context_length`` (model.max_seq_len) caps every request's max_new_tokens so prompt + response
+  never passes it (SGLang answers such a request 400); a prompt that alone does not fit fails.
 - Any unexpected exception in a worker task is stored and re-raised by the next get_batch.
 """
 from __future__ import annotations
@@ -38,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Optional
 
 from rollout.buffer import GroupFilter, SampleBuffer
+from rollout.context import PromptTooLong, fit_max_new_tokens
 from rollout.engine import EngineError, GenerateRequest, GenerateResult, Generator, settle_prefix_cache
 from rollout.engine_health import ENGINE_FAILURES, DriverError, EngineHealth, rejected
 from rollout.rewards.base import apply_reward
@@ -56,7 +59,8 @@ class RolloutDriver(EngineHealth):
     def __init__(self, engines: list[Generator], prompt_source, reward_fn, cfg, tokenizer, *, seed: int,
                  filters: Iterable[GroupFilter] = (), buffer_capacity: Optional[int] = None, agent=None,
                  max_attempts: int = 0, probe_interval_s: float = 1.0, stall_timeout_s: Optional[float] = None,
-                 control_timeout_s: float = 30.0, return_routed_experts: bool = True):
+                 control_timeout_s: float = 30.0, return_routed_experts: bool = True,
+                 context_length: Optional[int] = None):
         if not engines:
             raise ValueError("RolloutDriver needs at least one engine; set rollout.num_engines or engine_urls")
         names = [e.name for e in engines]
@@ -74,6 +78,7 @@ class RolloutDriver(EngineHealth):
         self.engine_down_timeout_s = min(getattr(cfg, "engine_down_timeout_s", 60.0), self.stall_timeout_s)
         self.max_failed_in_a_row = getattr(cfg, "max_failed_in_a_row", 0) or max(2 * cfg.max_in_flight, 8)
         self.return_routed_experts = return_routed_experts
+        self.context_length = context_length          # model.max_seq_len: no request may pass it
         self.stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
         self._pending: deque[Sample] = deque()       # drawn, waiting for a slot
@@ -279,6 +284,11 @@ class RolloutDriver(EngineHealth):
         start_len, aborts = len(sample.response_ids), 0
         while True:
             remaining = max_new_tokens - (len(sample.response_ids) - start_len)
+            try:   # SGLang refuses prompt + max_new_tokens past the context: cap it (rollout/context.py)
+                remaining = fit_max_new_tokens(len(sample.prompt_ids), sample.num_tokens, remaining,
+                                               self.context_length)
+            except PromptTooLong as exc:
+                return self._fail(sample, str(exc))
             if remaining <= 0:
                 return "length"
             await self._resumed.wait()

@@ -63,7 +63,7 @@ async def _evaluate(recipe, episodes: list) -> dict:
     engines, handles = await start_engines(recipe, recipe.run_dir)
     try:
         return await evaluate_all(engines, tokenizer, recipe.eval, recipe.rollout, seed=recipe.run.seed,
-                                  episodes=episodes)
+                                  episodes=episodes, context_length=recipe.model.max_seq_len)
     finally:
         for engine in engines:
             await engine.close()

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Optional
 
 from rollout.agent import ToolAgent, ToolCall
+from rollout.context import fit_max_new_tokens
 from rollout.engine import Generator, GenerateRequest
 from rollout.rewards.code import NONCE_FILE, harness_script, new_sentinel, tests_ran_to_the_end
 from rollout.sandbox import SandboxLimits, SandboxResult, run_python
@@ -183,6 +184,7 @@ class CodeRepairEval(AgenticEval):
     max_episode_tokens: int = 2048
     temperature: float = 1.0
     sandbox_limits: SandboxLimits = SandboxLimits(wall_time_s=10, cpu_time_s=5, memory_mb=512, file_size_mb=8)
+    context_length: Optional[int] = None     # model.max_seq_len: prompt + episode never passes it
     tasks: list = field(init=False)
 
     def __post_init__(self):
@@ -190,11 +192,11 @@ class CodeRepairEval(AgenticEval):
         self.tasks = load_tasks(self.path)
 
     @classmethod
-    def from_source(cls, arg: str, eval_cfg, rollout_cfg) -> "CodeRepairEval":
+    def from_source(cls, arg: str, eval_cfg, rollout_cfg, context_length: Optional[int] = None) -> "CodeRepairEval":
         limits = dataclasses.replace(cls.sandbox_limits, isolation=getattr(rollout_cfg, "sandbox", "bwrap"))
         return cls(arg, max_turns=eval_cfg.max_turns, max_turn_tokens=rollout_cfg.max_new_tokens,
                    max_episode_tokens=eval_cfg.max_episode_tokens, temperature=rollout_cfg.temperature,
-                   sandbox_limits=limits)
+                   sandbox_limits=limits, context_length=context_length)
 
     def problems(self) -> list:
         return list(self.tasks)
@@ -205,7 +207,8 @@ class CodeRepairEval(AgenticEval):
         workspace = dict(problem.files)
         sample = Sample(uid=f"{self.name}-{problem.task_id}-{seed}", prompt_index=problem.line,
                         prompt_ids=encode_prompt(tokenizer, self.messages(problem)))
-        await self.agent(tokenizer, workspace).rollout(sample, _engine_turn(engine, seed, self.temperature))
+        turn = _engine_turn(engine, seed, self.temperature, self.context_length)
+        await self.agent(tokenizer, workspace).rollout(sample, turn)
         info = {"task": problem.task_id, "turns": sample.metadata.get("turns", 0),
                 "submitted": "submitted" in sample.metadata, "status": sample.status.value}
         try:
@@ -229,7 +232,7 @@ class CodeRepairEval(AgenticEval):
         return RepoAgent(tokenizer, workspace, max_turns=self.max_turns, max_turn_tokens=self.max_turn_tokens,
                          max_total_tokens=self.max_episode_tokens,
                          max_observation_tokens=max(1, self.max_episode_tokens // self.max_turns),
-                         sandbox_limits=self.sandbox_limits)
+                         sandbox_limits=self.sandbox_limits, context_length=self.context_length)
 
     async def score(self, task: RepairTask, files: dict[str, str]) -> EpisodeResult:
         """Run the hidden tests against `files` (hidden test files win over same-named ones)."""
@@ -259,10 +262,15 @@ async def run_hidden_tests(task: RepairTask, files: dict[str, str],
     return tests_ran_to_the_end(result, sentinel), result
 
 
-def _engine_turn(engine: Generator, seed: int, temperature: float):
-    """The agent's turn function: one generate call on `engine`, appended as action tokens."""
+def _engine_turn(engine: Generator, seed: int, temperature: float, context_length: Optional[int] = None):
+    """The agent's turn function: one generate call on `engine`, appended as action tokens. The
+    budget is capped to the context (a full one ends the turn as `length` without a call); a prompt
+    that alone does not fit raises PromptTooLong, which scores the episode 0 with that reason."""
     async def turn(sample: Sample, max_new_tokens: int, stop_ids: list[int]) -> str:
         n = sample.metadata.get("turns", 0)
+        max_new_tokens = fit_max_new_tokens(len(sample.prompt_ids), sample.num_tokens, max_new_tokens, context_length)
+        if max_new_tokens <= 0:
+            return "length"
         request = GenerateRequest(rid=f"{sample.uid}-t{n}", input_ids=sample.prompt_ids + sample.response_ids,
                                   max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + 7919 * n,
                                   stop_token_ids=stop_ids, return_routed_experts=False)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from rollout.context import PromptTooLong, fit_max_new_tokens
 from rollout.engine import Generator, GenerateRequest
 from sao_megatron.core.config.errors import ConfigError
 from sao_megatron.core.imports import resolve_import_path
@@ -24,7 +25,8 @@ from .scores import summarize
 
 log = logging.getLogger(__name__)
 
-# eval.datasets scheme -> 'module:class' of an AgenticEval with from_source(arg, eval_cfg, rollout_cfg).
+# eval.datasets scheme -> 'module:class' of an AgenticEval with
+# from_source(arg, eval_cfg, rollout_cfg, context_length=None).
 AGENTIC_EVALS = {"code_repair": "sao_megatron.evaluation.code_repair:CodeRepairEval"}
 
 
@@ -53,7 +55,7 @@ class AgenticEval(abc.ABC):
     def problems(self) -> list: ...
 
 
-def agentic_eval_for(source: str, eval_cfg, rollout_cfg) -> Optional[AgenticEval]:
+def agentic_eval_for(source: str, eval_cfg, rollout_cfg, context_length: Optional[int] = None) -> Optional[AgenticEval]:
     """The AgenticEval a 'SCHEME:ARG' source names, or None for a dataset file or 'task:NAME'."""
     scheme, sep, arg = source.partition(":")
     if not sep or scheme == "task":
@@ -62,7 +64,8 @@ def agentic_eval_for(source: str, eval_cfg, rollout_cfg) -> Optional[AgenticEval
         known = ", ".join(["task"] + sorted(AGENTIC_EVALS))
         raise ConfigError("eval.datasets", f"unknown source scheme {scheme!r} in {source!r}",
                           f"use one of {known}, or a file path without ':'")
-    return resolve_import_path(AGENTIC_EVALS[scheme], "eval.datasets").from_source(arg, eval_cfg, rollout_cfg)
+    return resolve_import_path(AGENTIC_EVALS[scheme], "eval.datasets").from_source(
+        arg, eval_cfg, rollout_cfg, context_length=context_length)
 
 
 def load_eval_rows(source: str, seed: int, limit: int):
@@ -89,16 +92,28 @@ def scorer_for(source: str):
 
 
 async def evaluate_source(engines: list[Generator], tokenizer, source: str, *, k: int, temperature: float,
-                          max_new_tokens: int, seed: int = 0, limit: int = 0, concurrency: int = 32) -> dict:
+                          max_new_tokens: int, seed: int = 0, limit: int = 0, concurrency: int = 32,
+                          context_length: Optional[int] = None) -> dict:
+    """avg@k / pass@k of k samples per row. max_new_tokens is capped so prompt + response fits
+    ``context_length`` (rollout/context.py); a prompt that alone does not fit scores 0 and is counted
+    in ``errors`` (present only when some were), with one warning line each."""
     rows = load_eval_rows(source, seed, limit)
     score = scorer_for(source)
     limiter = asyncio.Semaphore(concurrency)
     engine_cycle = itertools.cycle(engines)
+    too_long: list[str] = []
 
     async def one(problem_index: int, sample_index: int, row) -> float:
         prompt_ids = encode_prompt(tokenizer, row.prompt)
+        try:
+            budget = fit_max_new_tokens(len(prompt_ids), len(prompt_ids), max_new_tokens, context_length)
+        except PromptTooLong as exc:
+            if sample_index == 0:
+                log.warning("eval %s problem %d scored 0: %s", source, problem_index, exc)
+            too_long.append(str(exc))
+            return 0.0
         request = GenerateRequest(rid=f"eval-{problem_index}-{sample_index}-{seed}", input_ids=prompt_ids,
-                                  max_new_tokens=max_new_tokens, temperature=temperature,
+                                  max_new_tokens=budget, temperature=temperature,
                                   seed=seed * 1_000_003 + problem_index * 1009 + sample_index,
                                   stop_token_ids=[tokenizer.eos_token_id], return_routed_experts=False)
         async with limiter:
@@ -108,7 +123,10 @@ async def evaluate_source(engines: list[Generator], tokenizer, source: str, *, k
 
     tasks = [[one(p, j, row) for j in range(k)] for p, row in enumerate(rows)]
     correct = [list(await asyncio.gather(*per_problem)) for per_problem in tasks]
-    return summarize(correct, _reported_ks(k))
+    out = summarize(correct, _reported_ks(k))
+    if out and too_long:
+        out["errors"] = float(len(too_long))
+    return out
 
 
 async def evaluate_agentic(engines: list[Generator], tokenizer, env: AgenticEval, *, k: int, seed: int = 0,
@@ -146,11 +164,12 @@ async def evaluate_agentic(engines: list[Generator], tokenizer, env: AgenticEval
 
 
 async def evaluate_all(engines, tokenizer, eval_cfg, rollout_cfg, seed: int = 0,
-                       episodes: Optional[list] = None) -> dict:
-    """eval/<set>/avg@k and eval/<set>/pass@k for every configured set (agentic sets fill `episodes`)."""
+                       episodes: Optional[list] = None, context_length: Optional[int] = None) -> dict:
+    """eval/<set>/avg@k and eval/<set>/pass@k for every configured set (agentic sets fill `episodes`);
+    ``context_length`` (model.max_seq_len) bounds every request's prompt + response."""
     out = {}
     for source in eval_cfg.datasets:
-        env = agentic_eval_for(source, eval_cfg, rollout_cfg)
+        env = agentic_eval_for(source, eval_cfg, rollout_cfg, context_length)
         if env is not None:
             name = env.name
             result = await evaluate_agentic(engines, tokenizer, env, k=eval_cfg.k, seed=seed,
@@ -160,7 +179,7 @@ async def evaluate_all(engines, tokenizer, eval_cfg, rollout_cfg, seed: int = 0,
             result = await evaluate_source(engines, tokenizer, source, k=eval_cfg.k,
                                            temperature=rollout_cfg.temperature,
                                            max_new_tokens=rollout_cfg.max_new_tokens, seed=seed,
-                                           limit=eval_cfg.max_problems)
+                                           limit=eval_cfg.max_problems, context_length=context_length)
         out.update({f"eval/{name}/{key}": value for key, value in result.items()})
     return out
 

@@ -174,7 +174,7 @@ class Trainer:
         from sao_megatron.evaluation.runner import evaluate_all
 
         return await evaluate_all(self.parts.engines, self.parts.tokenizer, cfg, self.recipe.rollout,
-                                  seed=self.recipe.run.seed)
+                                  seed=self.recipe.run.seed, context_length=self.recipe.model.max_seq_len)
 
     def log(self, metrics: dict, step: int) -> None:
         if self.parts.sink is None:

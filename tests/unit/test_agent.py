@@ -137,3 +137,33 @@ def test_resumed_mid_episode_answers_the_dangling_call_first():
     obs = TOK.decode([t for t, m in zip(sample.response_ids, sample.loss_mask) if m == 0], skip_special_tokens=False)
     assert obs == "\n<tool_response>4\n</tool_response>\n" and sample.metadata["submitted"] == "4"
     assert sample.metadata["turns"] == 2 and len(engine.rids) == 1
+
+
+def test_multi_turn_episodes_stay_within_the_context_and_no_request_is_refused():
+    """Turn 1 (a 62-token call) and its 65-token observation fit a context of 160 after the 23-token
+    prompt; turn 2 is capped to the 10 tokens left (64 would be refused by SGLang), and the
+    observation of its cut-off call is not appended: every episode ends TRUNCATED at exactly 160."""
+    from test_rollout_driver import ContextEngine
+
+    cfg = RolloutConfig(task="arithmetic", batch_size=4, max_in_flight=4, max_new_tokens=64)
+    first, context = call("python", code='print("x"*60)'), 23 + 62 + 65 + 10
+    engine = ContextEngine("e0", context=context, script=scripted([first, call("submit", answer="1")]))
+
+    async def main():
+        src = build_prompt_source(cfg, TOK, seed=0, num_problems=16)
+        d = RolloutDriver([engine], src, resolve_reward_fn(cfg), cfg, TOK, seed=0, context_length=context,
+                          agent=ToolAgent(TOK, max_turn_tokens=64, max_observation_tokens=100,
+                                          context_length=context))
+        await d.start()
+        batch = await d.get_batch(4, 0)
+        counts = dict(d.counts)
+        await d.stop()
+        return batch, counts
+
+    batch, counts = asyncio.run(main())
+    assert counts["failed"] == 0
+    assert all(n + m <= context for n, m in engine.requests) and (150, 10) in engine.requests
+    for s in batch:
+        s.check()
+        assert s.status == SampleStatus.TRUNCATED and s.num_tokens == context and s.metadata["turns"] == 2
+        assert s.loss_mask.count(0) == 65          # the first observation only

@@ -217,3 +217,29 @@ def test_sao_eval_names_a_missing_task_file_before_starting_engines(tiny_model_d
     code = main(["eval", str(recipe), f"run.output_dir='{tmp_path}'", "eval.datasets=['code_repair:nope.jsonl']",
                  "--checkpoint", str(tiny_model_dir)])
     assert code == 2 and "code_repair task file nope.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_episodes_are_capped_to_the_context_and_a_prompt_that_does_not_fit_scores_zero_naming_it(tmp_path):
+    """Each turn asks for 1024 tokens; an engine refusing prompt + max_new_tokens past 600 (as SGLang
+    does) is never sent such a request, and the fix still scores 1. A context the prompt alone fills
+    scores 0 with a one-line reason and sends nothing."""
+    from test_rollout_driver import ContextEngine
+
+    cfg = EvalConfig(datasets=[f"code_repair:{tmp_path / 'repair.jsonl'}"], k=1)
+    make_env(tmp_path)
+    built = agentic_eval_for(cfg.datasets[0], cfg, RolloutConfig(max_new_tokens=1024), context_length=600)
+    assert built.context_length == 600 and built.max_turn_tokens == 1024
+    policy = scripted_policy([call("submit", answer=FIX)])
+    engine = ContextEngine("policy", context=600, script=policy.script)
+    episodes = []
+    out = asyncio.run(evaluate_agentic([engine], TOK, built, k=1, episodes=episodes))
+    assert out["pass@1"] == 1.0 and out["errors"] == 0, episodes
+    assert engine.requests and all(n + m == 600 for n, m in engine.requests)
+    tight = agentic_eval_for(cfg.datasets[0], cfg, RolloutConfig(max_new_tokens=1024), context_length=10)
+    engine = ContextEngine("policy", context=10, script=policy.script)
+    episodes = []
+    out = asyncio.run(evaluate_agentic([engine], TOK, tight, k=1, episodes=episodes))
+    assert out["pass@1"] == 0.0 and out["errors"] == 1.0 and engine.requests == []
+    assert episodes[0]["error"].startswith("PromptTooLong: prompt of ") and \
+        episodes[0]["error"].endswith("does not fit the context of 10 tokens (model.max_seq_len); "
+                                      "shorten the prompt or raise model.max_seq_len")

@@ -503,3 +503,95 @@ def test_dead_engine_probe_waits_out_an_update_window():
 
     asyncio.run(main())
     assert probed and not any(probed)   # probed after the window, never during it
+
+
+class ContextEngine(FakeEngine):
+    """A fake engine that refuses, as SGLang 0.5.23 does (HTTP 400), a request whose prompt +
+    max_new_tokens passes `context`; `requests` records (input length, max_new_tokens) of each call."""
+
+    def __init__(self, name, *, context, **kw):
+        super().__init__(name, **kw)
+        self.context, self.requests = context, []
+
+    async def generate(self, request):
+        from rollout.engine import EngineError
+
+        self.requests.append((len(request.input_ids), request.max_new_tokens))
+        if len(request.input_ids) + request.max_new_tokens > self.context:
+            raise EngineError(f"engine {self.name} answered HTTP 400: Requested token count exceeds the model's "
+                              f"maximum context length of {self.context} tokens")
+        return await super().generate(request)
+
+
+PROMPT_LEN = 23    # every arithmetic prompt of make_driver's source, in the char-level tokenizer
+
+
+def test_requests_are_capped_to_the_context_so_none_is_refused():
+    """prompt + max_new_tokens would pass the context (23 + 12 > 28): the driver asks for 5 tokens,
+    the engine never refuses, and the samples end truncated at exactly the context."""
+    cfg = make_cfg(max_new_tokens=12)
+    eng = [ContextEngine("e0", context=PROMPT_LEN + 5, length_fn=lambda rng: 100, token_time_s=0.0005)]
+
+    async def main():
+        d = make_driver(eng, cfg, context_length=PROMPT_LEN + 5)
+        await d.start()
+        out = await d.get_batch(8, current_version=0)
+        counts = dict(d.counts)
+        await d.stop()
+        return out, counts
+
+    out, counts = asyncio.run(main())
+    assert counts["failed"] == 0 and len(out) == 8
+    assert {(n, m) for n, m in eng[0].requests} == {(PROMPT_LEN, 5)}
+    assert all(s.status == SampleStatus.TRUNCATED and s.num_tokens == PROMPT_LEN + 5 for s in out)
+
+
+def test_without_the_cap_the_same_engine_refuses_every_request():
+    """The control for the test above: no context_length, every request is a 400 and the run stops."""
+    cfg = make_cfg(max_new_tokens=12, max_failed_in_a_row=4)
+    eng = [ContextEngine("e0", context=PROMPT_LEN + 5, length_fn=lambda rng: 100)]
+
+    async def main():
+        d = make_driver(eng, cfg)
+        await d.start()
+        try:
+            with pytest.raises(DriverError, match="maximum context length of 28 tokens"):
+                await d.get_batch(8, current_version=0)
+        finally:
+            await d.stop()
+
+    asyncio.run(main())
+
+
+def test_a_prompt_that_alone_does_not_fit_fails_its_sample_with_one_line_and_no_request():
+    """Counted as a failure (never sent, never retried); failing every sample stops the run naming it."""
+    cfg = make_cfg(max_new_tokens=12, max_failed_in_a_row=5)
+    eng = [ContextEngine("e0", context=PROMPT_LEN)]
+
+    async def main():
+        d = make_driver(eng, cfg, context_length=PROMPT_LEN)
+        await d.start()
+        try:
+            with pytest.raises(DriverError) as stopped:
+                await d.get_batch(8, current_version=0)
+            return str(stopped.value), dict(d.counts), list(d.recent_failures)
+        finally:
+            await d.stop()
+
+    message, counts, failures = asyncio.run(main())
+    reason = (f"prompt of {PROMPT_LEN} tokens does not fit the context of {PROMPT_LEN} tokens (model.max_seq_len); "
+              "shorten the prompt or raise model.max_seq_len")
+    assert message == f"5 samples failed in a row (rollout.max_failed_in_a_row=5); last: {reason}"
+    assert "\n" not in message and counts["failed"] >= 5 and eng[0].requests == []
+    assert all(why == reason for _, why in failures)
+
+
+def test_fit_max_new_tokens():
+    from rollout.context import PromptTooLong, fit_max_new_tokens
+
+    assert fit_max_new_tokens(10, 10, 50, None) == 50
+    assert fit_max_new_tokens(10, 10, 50, 100) == 50 and fit_max_new_tokens(10, 10, 95, 100) == 90
+    assert fit_max_new_tokens(10, 100, 5, 100) == 0            # the context is full: end as length
+    assert fit_max_new_tokens(99, 99, 5, 100) == 1
+    with pytest.raises(PromptTooLong, match=r"prompt of 100 tokens does not fit the context of 100 tokens \(x\.y\)"):
+        fit_max_new_tokens(100, 100, 5, 100, field="x.y")
