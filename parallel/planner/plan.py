@@ -34,6 +34,7 @@ class PlanInput:
     sequence_tokens: int = 0          # prompt + response budget of one sample
     max_in_flight: int = 0            # requests in flight over all engines
     bucket_bytes: float = 64 * 2 ** 20  # weight_sync.bucket_mb: the weight-sync sender's bucket
+    max_sender_bytes: float = 32768 * 2 ** 20  # weight_sync.max_sender_mb: the bound on the sender's memory
 
 
 @dataclass
@@ -111,15 +112,18 @@ def make_plan(inp: PlanInput) -> Plan:
 
 def _plan_sender(plan: Plan) -> None:
     """The sync runs after the update: activations are freed, the policy (and under `shared` the critic)
-    stay resident, and each stage's sender adds its gathered tensors and buckets."""
+    stay resident, and the sender adds what the streamed export and its buckets hold (sender_memory)."""
     inp = plan.inp
-    senders = [sender_memory(inp, stage, inp.bucket_bytes) for stage in range(inp.layout.pp)]
-    plan.sender = max(senders, key=lambda s: s.total)
+    plan.sender = sender_memory(inp, inp.bucket_bytes, inp.max_sender_bytes)
     resident = [plan.policy] + ([plan.critic] if plan.critic and inp.critic_placement == "shared" else [])
     plan.sync_peak = sum(m.total - m.activations for m in resident) + plan.sender.total + RUNTIME_RESERVE_GIB * GIB
+    if plan.sender.refused:
+        plan.notes.append(f"weight_sync.max_sender_mb = {inp.max_sender_bytes / 2 ** 20:g} is below what the sender "
+                          f"needs ({plan.sender.need / 2 ** 20:.0f} MiB): the recipe check refuses it; raise it "
+                          f"or lower weight_sync.bucket_mb")
     if plan.sync_peak > plan.capacity:
         plan.notes.append(f"weight-sync sender needs {plan.sync_peak / GIB:.1f} GiB during a sync: lower "
-                          f"weight_sync.bucket_mb or raise tp/pp (the gathered tensors scale with the stage)")
+                          f"weight_sync.bucket_mb or raise tp/pp/ep (the resident model scales with the layout)")
 
 
 def _trainer_peak(plan: Plan) -> float:

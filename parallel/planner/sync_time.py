@@ -21,9 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from ..model_shapes import all_layers, count_parameters, embedding_params, is_mla, num_experts
+from ..model_shapes import all_layers, count_parameters, is_mla, num_experts
 from .engine import engine_memory
-from .params import rank_params
 from .hardware import BUCKET_OVERHEAD_S, LINK_EFF, PER_TENSOR_S, GpuSpec, gpu_spec
 
 TRANSPORTS = ("broadcast", "sharded")
@@ -112,26 +111,34 @@ def sync_time(inp, transport: str = "broadcast", bucket_bytes: float = 2 ** 30, 
 
 @dataclass(frozen=True)
 class SenderMemory:
-    """Bytes a weight-sync sender holds on its GPU during a sync, beyond its own model shards."""
+    """Bytes a weight-sync sender holds on its GPU during a sync, beyond its own model shards: what the
+    streamed export and the send path need (sao_megatron/core/config/sender_budget.py), capped by
+    weight_sync.max_sender_mb (a recipe whose bound is below the need is refused: `refused`)."""
 
-    gathered: float   # the full (TP-gathered) tensors the sender owns, held by the export until sent
-    buckets: float    # two flat payload buffers + one bucket of held-back expert tensors + one tensor in flight
+    buffers: float    # two reused flat payloads of max(bucket, largest tensor)
+    buckets: float    # the bucket being filled + one held-back run of routed-expert tensors
+    gather: float     # the tensor being gathered (TP pieces + merged: 2x) + the previous one's waiting HF parts
+    bound: float      # weight_sync.max_sender_mb in bytes
+
+    @property
+    def need(self) -> float:
+        return self.buffers + self.buckets + self.gather
 
     @property
     def total(self) -> float:
-        return self.gathered + self.buckets
+        return min(self.bound, self.need)
+
+    @property
+    def refused(self) -> bool:
+        return self.bound < self.need
 
 
-def sender_memory(inp, stage: int, bucket_bytes: float) -> SenderMemory:
-    """The export (parallel/weights.py _owned_full_tensors) gathers every TP-split tensor whole and keeps
-    the tensors its rank owns (TP rank 0, DP rank 0 of the stage: the sender) until they are sent: the
-    stage's dense part times tp, its replicated part, its experts times etp, in bf16. The send path
-    (rollout/weights/sync.py) then holds two reused flat buffers of max(bucket, largest tensor), at most
-    one bucket of held-back expert tensors (non_expert_first), and one tensor received from another
-    owner of the stage. Only the buckets are bounded by a recipe key (weight_sync.bucket_mb)."""
-    lay = inp.layout
-    p = rank_params(inp.cfg, lay, stage)
-    gathered = (p.tp_split * lay.tp + p.replicated + p.expert * lay.etp) * SENT_BYTES
-    largest = embedding_params(inp.cfg) * SENT_BYTES
-    buffer = max(bucket_bytes, largest)
-    return SenderMemory(gathered, 2 * buffer + bucket_bytes + largest)
+def sender_memory(inp, bucket_bytes: float, bound: float = float("inf")) -> SenderMemory:
+    """The export streams (parallel/weights.py): a Megatron tensor is gathered over TP at the turn of its
+    first HF name and sent in buckets, so the sender holds flat buffers, buckets and about three times
+    the largest tensor, whatever the stage's size; in the trainer's dtype (the export's)."""
+    from sao_megatron.core.config.sender_budget import sender_need
+
+    element_bytes = 4 if inp.train.dtype == "fp32" else 2
+    need = sender_need(inp.cfg, bucket_bytes, element_bytes, inp.layout.tp)
+    return SenderMemory(need.buffers, need.buckets, need.gather, bound)

@@ -128,9 +128,10 @@ def render_plan(plan, model_name: str) -> str:
     lines.append(render_engine(plan))
     if plan.sender is not None:
         sender = plan.sender
-        lines.append(f"weight-sync sender: gathered tensors {gib(sender.gathered)} GiB + buckets {gib(sender.buckets)} GiB "
-                     f"(weight_sync.bucket_mb = {inp.bucket_bytes / 2 ** 20:g}); GPU peak during a sync "
-                     f"{gib(plan.sync_peak)} GiB")
+        lines.append(f"weight-sync sender: flat buffers {gib(sender.buffers)} + buckets {gib(sender.buckets)} + gather "
+                     f"{gib(sender.gather)} = {gib(sender.need)} GiB (weight_sync.bucket_mb = "
+                     f"{inp.bucket_bytes / 2 ** 20:g}, max_sender_mb = {inp.max_sender_bytes / 2 ** 20:g}); "
+                     f"GPU peak during a sync {gib(plan.sync_peak)} GiB")
     lines += [f"note: {n}" for n in plan.notes]
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     lines.append(f"verdict: {verdict} (peak {gib(plan.peak)} of {inp.gpu.memory_gib} GiB per GPU)")
