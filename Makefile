@@ -1,5 +1,5 @@
 # Two entry points for a fresh machine (see README.md):
-#   make demo   - set up .venv and train the tiny MoE on CPU with SAO (recipes/tiny_moe_cpu.toml)
+#   make demo   - set up .venv, SFT the tiny MoE on CPU, then train it with SAO (recipes/tiny_sft_sao_cpu.toml)
 #   make test   - set up .venv and run the whole test suite
 PY ?= python3
 VENV := .venv
@@ -18,8 +18,10 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The paper's order in miniature: SFT, then SAO (docs/quickstart.md). One OpenMP thread per process:
+# the trainer and the rollout server share the two cores, and more threads slow the tiny model down.
 demo: $(STAMP)
-	$(BIN)/sao train recipes/tiny_moe_cpu.toml
+	OMP_NUM_THREADS=1 $(BIN)/sao train recipes/tiny_sft_sao_cpu.toml
 
 test: $(STAMP)
 	$(BIN)/pytest tests -q

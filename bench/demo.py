@@ -1,4 +1,5 @@
-"""The tiny demo (`make demo` = `sao train recipes/tiny_moe_cpu.toml`) as a benchmark: `sao bench demo`.
+"""The tiny RL-from-random-init run (`sao train recipes/tiny_moe_cpu.toml`; `make demo` now runs SFT then
+SAO, recipes/tiny_sft_sao_cpu.toml, measured in docs/results.md "SFT then SAO") as a benchmark: `sao bench demo`.
 
 Trains the tiny recipe as `make demo` does (quick: 2 policy steps after 1 critic warm-up step) and
 summarises its metrics: mean reward of the first and last 10 steps, policy entropy first -> last,
