@@ -31,9 +31,16 @@ def report_path(out_dir: Path, quick: bool) -> Path:
     return Path(out_dir) / "results.md"
 
 
+HAND_WRITTEN = "<!-- hand-written below: kept as it is by `sao bench report` -->"
+
+
 def write_report(results_dir: Path, doc_path: Path) -> Path:
+    """Render the report; a hand-written tail of the existing file (from the HAND_WRITTEN marker on,
+    e.g. measurements no bench renders yet) is kept."""
     doc_path.parent.mkdir(parents=True, exist_ok=True)
-    doc_path.write_text(render(Path(results_dir), doc_path))
+    old = doc_path.read_text() if doc_path.is_file() else ""
+    tail = old[old.index(HAND_WRITTEN):] if HAND_WRITTEN in old else ""
+    doc_path.write_text(render(Path(results_dir), doc_path) + ("\n" + tail if tail else ""))
     return doc_path
 
 

@@ -130,3 +130,22 @@ def test_parallel_memory_verdict_holds_the_allocated_peak_to_the_target_and_list
     assert "The peak part of the target is not met" in parallel_memory(_memory(1.30))
     old = parallel_memory(_memory(0, allocated=False))      # a file from before the allocated peak
     assert "Peak allocated: not measured in this file" in old and "| single | peak (RSS) |" in old
+
+
+def test_a_hand_written_tail_survives_a_re_render(tmp_path):
+    from bench.report import HAND_WRITTEN, write_report
+
+    doc = tmp_path / "results.md"
+    write_report(tmp_path, doc)
+    assert HAND_WRITTEN not in doc.read_text()
+    doc.write_text(doc.read_text() + "\n" + HAND_WRITTEN + "\n\n## Measured by hand\nnumbers\n")
+    write_report(tmp_path, doc)
+    text = doc.read_text()
+    assert text.count(HAND_WRITTEN) == 1 and text.endswith("## Measured by hand\nnumbers\n")
+    assert text.index("## The tiny demo") < text.index(HAND_WRITTEN)
+
+
+def test_the_repository_report_keeps_its_hand_written_sections():
+    from bench.report import HAND_WRITTEN
+
+    assert HAND_WRITTEN in (REPO / "docs" / "results.md").read_text()
