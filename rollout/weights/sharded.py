@@ -209,6 +209,11 @@ class ShardWriteSync(_SessionSync):
         await run_all(calls, f"joining {len(self.lanes)} shard group(s) ({self.backend})", self.cfg.timeout_s)
         self.connected = True
 
+    def regroup(self) -> None:
+        """New lanes on new groups at the next push (the old lanes' groups hold the replaced process)."""
+        self.connected = False
+        self.lanes = [_Lane(lane.index, lane.targets) for lane in self.lanes]
+
     async def _transfer(self, named_tensors, version: int) -> None:
         await self.connect()
         device = payload_device(self.backend)
@@ -224,8 +229,7 @@ class ShardWriteSync(_SessionSync):
         except EngineError:
             # A broken lane's group is unusable, and its thread may still wait on its queue: the next
             # push forms new groups with new lanes, so no old thread ever reads a new push's buckets.
-            self.connected = False
-            self.lanes = [_Lane(lane.index, lane.targets) for lane in self.lanes]
+            self.regroup()
             raise
         self._check_acks([ack for lane_acks in results[1:] for ack in lane_acks])
         await run_all(self._each(lambda e: e.update_weight_version(version)), "update_weight_version",

@@ -67,6 +67,10 @@ class WeightSync(abc.ABC):
     async def close(self) -> None:
         """Release the transport (process group, files)."""
 
+    def regroup(self) -> None:
+        """An engine process was replaced (a restart): the next push forms its group(s) anew, since the
+        new process is in none of the old ones. Nothing to do for a transport without a group."""
+
 
 def sender_address(engines: list[WeightReceiver]) -> str:
     """The address engines reach this sender at: loopback when every engine is local, else the
@@ -227,6 +231,9 @@ class BroadcastWeightSync(_SessionSync):
         results = await run_all(calls, f"joining weight-update group {name} (world {world}, {self.backend})",
                                 self.cfg.timeout_s)
         self.group, self.group_name = results[-1], name
+
+    def regroup(self) -> None:
+        self.group = None   # the old group (a dead peer in it) is left to the garbage collector
 
     async def _transfer(self, named_tensors, version: int) -> None:
         """Send the buckets in order; bucket i+1 is flattened (into the other of two reused buffers) while

@@ -75,9 +75,7 @@ async def build_components(recipe: Recipe, rank: int = 0, world_size: int = 1) -
             from .weight_updates import build_weight_updates
 
             weights = build_weight_updates(recipe, policy, engines, driver, rank, world_size)
-            if restarts is not None:
-                weights.restarts = restarts
-                restarts.senders.append(weights.weight_sync)
+            weights.restarts = restarts   # every rank's sender regroups after a restart (weight_updates.py)
         checkpoints = Checkpoints(recipe, rank, world_size, saves=debug == "none")
         if samples is not None:
             stack.push_async_callback(samples.stop)
@@ -124,7 +122,7 @@ async def _build_rollout(recipe: Recipe, tokenizer, stack: contextlib.AsyncExitS
 
         filters.append(nonzero_reward_variance)
     driver = RolloutDriver(engines, source, resolve_reward_fn(rollout), rollout, tokenizer,
-                           seed=recipe.run.seed, filters=filters)
+                           seed=recipe.run.seed, filters=filters, context_length=recipe.model.max_seq_len)
     restarts = None
     if handles and rollout.engine_restarts > 0:
         from .engine_restarts import EngineRestarts

@@ -4,10 +4,12 @@ Same port and key, so their clients keep working; at most rollout.engine_restart
 engines together. Meanwhile the driver retries the dead engine's requests (new request ids, the old
 ones aborted: nothing lost or duplicated) and counts the restart as time the engines may be down; a
 restarted engine serves again once it holds the current weights (rollout/engine_health.py). A weight
-update waits for a restart in progress (`settled`), and a broadcast sender forms its group again,
-since the new process is not in the old one. Past the budget the engine stays dead: the run continues
-on the others, or stops after rollout.engine_down_timeout_s when none is left. Engines at
-rollout.engine_urls belong to someone else and are never restarted here.
+update waits for a restart in progress (`settled`) and tells every rank how many `restarts` there
+were; after a new one every sender (each pipeline stage's too) forms its group again, since the new
+process is in none of the old ones (weight_updates.py `_regroup_after_restarts`). Past the budget
+the engine stays dead: the run continues on the others, or stops after
+rollout.engine_down_timeout_s when none is left. Engines at rollout.engine_urls belong to someone
+else and are never restarted here.
 """
 from __future__ import annotations
 
@@ -33,7 +35,6 @@ class EngineRestarts:
         self.api_keys = {e.name: e.api_key for e in engines}
         self.left = recipe.rollout.engine_restarts
         self.restarts: list[str] = []          # engine names, in restart order
-        self.senders: list = []                # weight syncs whose group must be formed again
         self.settled = asyncio.Event()
         self.settled.set()
         self._task: Optional[asyncio.Task] = None
@@ -68,10 +69,7 @@ class EngineRestarts:
             handle = await asyncio.to_thread(_launch_engine, self.recipe, index, self.api_keys[name],
                                              self.run_dir, port)
             self.slots[name] = (index, handle)
-            self.restarts.append(name)
-            for sender in self.senders:
-                if hasattr(sender, "group"):
-                    sender.group = None    # the next push forms the group again, with the new process
+            self.restarts.append(name)   # the next weight update regroups every sender (weight_updates.py)
             ok = True
         except Exception as err:   # noqa: BLE001 - the engine stays dead; the driver reports it in time
             log.error("engine %s could not be restarted: %s", name, str(err).splitlines()[0] if str(err) else err)

@@ -31,6 +31,7 @@ class WeightUpdates:
         self.weight_sync = sender            # None on ranks that do not send
         self.restarts = None                 # engine_restarts.EngineRestarts on the driver rank, if any
         self.rank, self.world_size, self.is_driver = rank, world_size, rank == 0
+        self.restarts_seen = 0               # engine restarts this rank's sender has formed its group after
 
     async def sync(self, version: int) -> dict:
         """Broadcast the new policy weights to every engine under `version`, engines paused meanwhile."""
@@ -58,15 +59,17 @@ class WeightUpdates:
         when every stage has landed; then the sessions close and the caches settle before resuming.
         """
         async with contextlib.AsyncExitStack() as window:
+            restarted = 0
             if self.is_driver:
                 try:
                     if self.restarts is not None:   # a restarting engine joins this update, not half of it
                         await self.restarts.settled.wait()
+                        restarted = len(self.restarts.restarts)
                     await self._open_window(window, version, pause)
                 except BaseException as err:
-                    self._senders_go(error=f"{type(err).__name__}: {err}")
+                    self._senders_go(restarted, error=f"{type(err).__name__}: {err}")
                     raise
-            self._senders_go()
+            self._regroup_after_restarts(self._senders_go(restarted))
             await self.push_weights(version)
 
     async def _open_window(self, window: contextlib.AsyncExitStack, version: int, pause: bool) -> None:
@@ -79,16 +82,26 @@ class WeightUpdates:
         if self.weight_sync is not None:
             await window.enter_async_context(self.weight_sync.update_session())
 
-    def _senders_go(self, error: Optional[str] = None) -> None:
-        """Every rank waits here for the driver rank's window; its failure fails every rank (no hang)."""
+    def _senders_go(self, restarted: int, error: Optional[str] = None) -> int:
+        """Every rank waits here for the driver rank's window; its failure fails every rank (no hang).
+        Returns the driver rank's count of engine restarts so far (only it watches the engines)."""
         if self.world_size == 1:
-            return
+            return restarted
         import torch.distributed as dist
 
-        box = [error]
+        box = [(error, restarted)]
         dist.broadcast_object_list(box, src=0)
-        if box[0] is not None and not self.is_driver:
-            raise RuntimeError(f"rank {self.rank}: the driver rank could not open the weight update: {box[0]}")
+        error, restarted = box[0]
+        if error is not None and not self.is_driver:
+            raise RuntimeError(f"rank {self.rank}: the driver rank could not open the weight update: {error}")
+        return restarted
+
+    def _regroup_after_restarts(self, restarted: int) -> None:
+        """A restarted engine is a new process in none of the senders' groups: after a restart every
+        sender (each stage's, with per-stage senders, not only the driver rank's) forms its group anew."""
+        if restarted != self.restarts_seen and self.weight_sync is not None:
+            self.weight_sync.regroup()
+        self.restarts_seen = restarted
 
     async def push_weights(self, version: int) -> None:
         """Every rank takes part in gathering the HF-named tensors; the senders send them.
