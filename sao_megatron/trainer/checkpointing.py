@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -55,13 +58,41 @@ def resolve_resume(recipe: Recipe, rank: int, world_size: int) -> Recipe:
     try:
         chosen, skipped = checkpointer.choose(cfg.resume)
     except CheckpointCorruptError as err:
-        problem, _, fix = str(err).partition("; fix: ")
-        raise ConfigError("checkpoint.resume", problem, fix or "start over with checkpoint.resume=never") from None
+        problem, *fix = re.split(r"[;:] fix: ", str(err), maxsplit=1)   # the fix, once, after "; fix: "
+        raise ConfigError("checkpoint.resume", problem, fix[0] if fix else "start over with checkpoint.resume=never") \
+            from None
     if skipped and rank == 0:
         print(f"checkpoint.resume=auto: skipped {'; '.join(skipped)}; resuming from {chosen.name}, the newest "
               "checkpoint that verifies", file=sys.stderr)
     resume = str(chosen) if chosen is not None else "never"
     return dataclasses.replace(recipe, checkpoint=dataclasses.replace(cfg, resume=resume))
+
+
+RANK_ERROR_ENV = "SAO_RANK_ERROR_FILE"   # set by the local launcher (entry.launch_local_ranks)
+
+
+def rank_recipe_error(err: ConfigError, rank: int) -> int:
+    """A recipe error found inside a rank of several (resolve_resume: the ranks agree on its outcome, so
+    every rank has it): one line from rank 0, no traceback, exit 2 as `sao train` in one process.
+    Under the local launcher rank 0 hands the error to it ($SAO_RANK_ERROR_FILE) and every rank exits 0:
+    torchrun answers a non-zero exit with its own report and traceback; the launcher raises the error
+    again (`raise_rank_recipe_error`), so the run ends with the single-process line and exit 2."""
+    handoff = os.environ.get(RANK_ERROR_ENV)
+    if rank == 0 and handoff:
+        tmp = Path(handoff).with_suffix(".tmp")
+        tmp.write_text(json.dumps({"field": err.field, "problem": err.problem, "fix": err.fix}))
+        tmp.replace(handoff)
+    elif rank == 0:
+        print(f"sao train: recipe error: {err}", file=sys.stderr)
+    return 0 if handoff else 2
+
+
+def raise_rank_recipe_error(handoff: Path) -> None:
+    """The launcher's side of `rank_recipe_error`: the ranks' recipe error, raised here (exit 2)."""
+    if handoff.exists():
+        data = json.loads(handoff.read_text())
+        handoff.unlink()
+        raise ConfigError(data["field"], data["problem"], data["fix"])
 
 
 def checkpoint_parts(components, state) -> dict:

@@ -70,9 +70,15 @@ def launch_local_ranks(recipe: Recipe, resolved: Path, world: int) -> int:
     from checkpoints.preemption import DEFAULT_SIGNALS
     from sao_megatron.core.processes import forward_signals_to_children
 
-    launcher_proc = subprocess.Popen(cmd)
+    from .checkpointing import RANK_ERROR_ENV, raise_rank_recipe_error
+
+    handoff = resolved.parent / ".rank_recipe_error.json"   # a recipe error the ranks found (checkpointing.py)
+    handoff.unlink(missing_ok=True)
+    launcher_proc = subprocess.Popen(cmd, env={**os.environ, RANK_ERROR_ENV: str(handoff)})
     with forward_signals_to_children(launcher_proc.pid, DEFAULT_SIGNALS):   # the ranks save, then exit 0
-        return launcher_proc.wait()
+        code = launcher_proc.wait()
+    raise_rank_recipe_error(handoff)
+    return code
 
 
 def run_rank(recipe: Recipe) -> int:
@@ -81,9 +87,14 @@ def run_rank(recipe: Recipe) -> int:
 
     single_process_port()
     env = init_distributed("auto")
-    from .checkpointing import resolve_resume
+    from .checkpointing import rank_recipe_error, resolve_resume
 
-    recipe = resolve_resume(recipe, env.rank, env.world_size)   # verified before any model is built
+    try:
+        recipe = resolve_resume(recipe, env.rank, env.world_size)   # verified before any model is built
+    except ConfigError as err:
+        if env.world_size == 1:
+            raise                      # `sao train` itself prints it: one line, exit 2
+        return rank_recipe_error(err, env.rank)
     from rollout.engine import EngineError
 
     from .stopping import CollectionStopped
