@@ -47,3 +47,15 @@ def check_report(path: Path, measured: str) -> None:
             assert f"Not measured: there is no `{name}.json`" in section
     for target in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text):
         assert (path.parent / target).is_file(), target
+
+
+def test_engine_bench_budgets_fit_the_servers_context():
+    """The engine bench asks the reference server (which, as SGLang, refuses prompt + max_new_tokens
+    past --max-context) only for what fits; without a context its workload is unchanged."""
+    from bench.engine import workload
+
+    full = workload(quick=False, vocab=100)
+    capped = workload(quick=False, vocab=100, context=100)
+    assert [p for p, _ in capped] == [p for p, _ in full]
+    assert max(len(p) + b for p, b in full) > 100 >= max(len(p) + b for p, b in capped)
+    assert all(b == min(n, 100 - len(p)) for (p, b), (_, n) in zip(capped, full))
