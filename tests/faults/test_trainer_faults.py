@@ -111,8 +111,12 @@ def assert_each_prompt_once(driver_state: dict, *accounted: list[str]) -> None:
     assert sorted(int(u[1:].split("-")[0]) for u in uids) == list(range(drawn))
 
 
-def failed_uids(run: Run) -> list[str]:
-    return [uid for uid, _ in run.driver.recent_failures]
+def failed_uids(run: Run, saved_driver: dict | None = None, before: int = 0) -> list[str]:
+    """Samples that failed in this run; with `saved_driver`, only those that failed before that
+    checkpoint was taken (a sample failing after the save is still in its saved work, to be re-issued
+    on resume). `before`: failures the run resumed with (its counts start there, its list does not)."""
+    uids = [uid for uid, _ in run.driver.recent_failures]
+    return uids if saved_driver is None else uids[:saved_driver["counts"]["failed"] - before]
 
 
 class RejectingEngine(ScriptedEngine):
@@ -144,7 +148,7 @@ def test_engine_rejecting_everything_stops_with_one_line_and_saves_the_last_step
     assert run.state.step == 2 and run.latest().name == "step_00000002"   # the two good steps, saved
     saved = run.saved()
     assert saved["trainer"]["step"] == 2
-    assert_each_prompt_once(saved["driver"], run.trained, failed_uids(run))
+    assert_each_prompt_once(saved["driver"], run.trained, failed_uids(run, saved["driver"]))
 
 
 def test_reward_that_always_times_out_stops_naming_the_reward(tmp_path):
@@ -233,7 +237,7 @@ def test_engine_that_goes_silent_is_taken_for_dead_and_its_requests_reissued(tmp
     reissued = [rid for rid in e0.rids if not rid.endswith("-a0")]
     assert reissued, "no request of the silent engine was re-issued"
     saved = run.saved()
-    assert_each_prompt_once(saved["driver"], run.trained, failed_uids(run))
+    assert_each_prompt_once(saved["driver"], run.trained, failed_uids(run, saved["driver"]))
 
 
 def test_engine_down_timeout_defaults_to_60s():
@@ -269,7 +273,7 @@ def test_signal_during_collection_saves_last_step_and_resume_loses_nothing(tmp_p
     saved = run.saved()
     assert saved["trainer"]["step"] == 2
     assert saved["driver"]["work"], "the in-flight samples were not saved"
-    assert_each_prompt_once(saved["driver"], run.trained, failed_uids(run))
+    assert_each_prompt_once(saved["driver"], run.trained, failed_uids(run, saved["driver"]))
     first = list(run.trained)
 
     preemption.clear()
@@ -278,8 +282,8 @@ def test_signal_during_collection_saves_last_step_and_resume_loses_nothing(tmp_p
     assert resumed.state.step == 4 and resumed.latest().name == "step_00000004"
     in_flight_at_stop = {d["uid"] for d in saved["driver"]["work"]}
     assert in_flight_at_stop <= set(resumed.trained + saved_uids(resumed.saved()["driver"]))
-    assert_each_prompt_once(resumed.saved()["driver"], first, resumed.trained,
-                            failed_uids(run), failed_uids(resumed))
+    assert_each_prompt_once(resumed.saved()["driver"], first, resumed.trained, failed_uids(run, saved["driver"]),
+                            failed_uids(resumed, resumed.saved()["driver"], before=saved["driver"]["counts"]["failed"]))
 
 
 # ---- 4. a fatal error: saved when the state is consistent, not when a model is mid-update ---------
