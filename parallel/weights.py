@@ -122,16 +122,23 @@ def _sources(modules, base: HFMapping, value_head: bool) -> list[_Source]:
     return sources
 
 
+def _own_storage(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`tensor`, copied when it is a view: of the live parameter (the export is a snapshot) or of a
+    larger merged tensor (gate of gate+up, the vocabulary before trimming), which a consumer keeping it
+    would otherwise hold whole. Each exported tensor owns exactly its bytes, as before streaming."""
+    storage = tensor.untyped_storage()
+    if storage.data_ptr() == param.untyped_storage().data_ptr() or storage.nbytes() != tensor.nbytes:
+        return tensor.clone()
+    return tensor
+
+
 def _gather_and_convert(source: _Source, keep: set) -> dict[str, torch.Tensor]:
-    """Every rank holding `source` takes part in its TP gather; the owner keeps the HF tensors in `keep`
-    (a copy where one would alias the live parameter: the export is a snapshot, as before)."""
+    """Every rank holding `source` takes part in its TP gather; the owner keeps the HF tensors in `keep`."""
     _, size, group = source.tp
     pieces = _gather_tp(source.param, size, group)
     if not source.owns:
         return {}
-    param = source.param.untyped_storage().data_ptr()
-    return {n: t.clone() if t.untyped_storage().data_ptr() == param else t
-            for n, t in _convert(source, pieces) if n in keep}
+    return {n: _own_storage(t, source.param) for n, t in _convert(source, pieces) if n in keep}
 
 
 def _natural_key(name: str):
