@@ -92,7 +92,7 @@ def _readonly_binds(roots: list[str]) -> list[str]:
     """Read-only binds of `roots` with their parent dirs made 0755 (bwrap would make them 0700,
     which an unprivileged uid cannot walk through)."""
     args: list[str] = []
-    made: set[str] = {"/"}
+    made: set[str] = {"/", "/tmp"}   # /tmp is the private tmpfs (1777), mounted before these binds
     for root in roots:
         for parent in reversed(Path(root).parents):
             if str(parent) not in made:
@@ -137,8 +137,10 @@ def bwrap_command(box: str, argv: list[str], *, uid: Optional[int], limits: list
     args = [shutil.which("bwrap") or "bwrap", "--die-with-parent", "--new-session", "--clearenv"]
     args += ["--info-fd", str(info_fd)] if info_fd is not None else []
     args += ["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []
-    args += _namespaces(network) + _system_mounts() + _readonly_binds(_python_roots())
+    args += _namespaces(network) + _system_mounts()
     args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
+    # after the private /tmp: an interpreter installed under /tmp (a venv in a checkout there) stays visible
+    args += _readonly_binds(_python_roots())
     args += ["--bind", box, SANDBOX_DIR, "--chdir", SANDBOX_DIR]
     for key, value in ENV.items():
         args += ["--setenv", key, value]

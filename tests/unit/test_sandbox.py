@@ -109,3 +109,22 @@ def test_code_reward_runs_program_and_tests():
     assert asyncio.run(code_reward(sample(good)))["reward"] == 1.0
     out = asyncio.run(code_reward(sample("```python\ndef add(a, b):\n    return a - b\n```")))
     assert out["reward"] == 0.0 and "AssertionError" in out["error"]
+
+
+def test_an_interpreter_installed_under_tmp_still_runs_in_the_sandbox(tmp_path):
+    """The sandbox mounts a private /tmp; a venv in a checkout under /tmp (as CI's fresh clone can be)
+    must stay visible inside it (its binds come after the tmpfs)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    assert str(tmp_path).startswith("/tmp/")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
+    repo = Path(__file__).resolve().parents[2]
+    probe = ("import asyncio, sys; sys.path.insert(0, %r)\n"
+             "from rollout.sandbox import SandboxLimits, run_python\n"
+             "r = asyncio.run(run_python('import sys; print(sys.executable)', SandboxLimits()))\n"
+             "print(r.returncode, r.stdout.strip(), r.stderr.strip()[-200:])\n") % str(repo)
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.stdout.split()[:2] == ["0", str(venv / "bin" / "python")], (out.stdout, out.stderr[-500:])
