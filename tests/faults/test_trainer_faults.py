@@ -269,9 +269,12 @@ def test_signal_during_collection_saves_last_step_and_resume_loses_nothing(tmp_p
     asyncio.run(main())
     assert time.monotonic() - started < GENEROUS_S / 2
     assert run.trainer.stopped is not None and sig.name in str(run.trainer.stopped) and run.trainer.saved_at_stop
-    assert run.state.step == 2 and run.latest().name == "step_00000002"
+    # the engine hangs from step 2 on; on a loaded machine step 3's samples may already be buffered, so
+    # the signal can land while step 3 or step 4 collects: the last completed step is what is saved
+    stopped_at = run.state.step
+    assert stopped_at in (2, 3) and run.latest().name == f"step_{stopped_at:08d}"
     saved = run.saved()
-    assert saved["trainer"]["step"] == 2
+    assert saved["trainer"]["step"] == stopped_at
     assert saved["driver"]["work"], "the in-flight samples were not saved"
     assert_each_prompt_once(saved["driver"], run.trained, failed_uids(run, saved["driver"]))
     first = list(run.trained)
