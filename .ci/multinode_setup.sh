@@ -18,6 +18,8 @@ set -euo pipefail
 cd "$(dirname "$0")"
 # shellcheck source=multinode_env.sh
 source ./multinode_env.sh
+# shellcheck source=munge_lib.sh
+source ./munge_lib.sh
 
 TIMEOUT="${MULTINODE_SETUP_TIMEOUT:-90}"
 
@@ -125,19 +127,6 @@ PartitionName=debug Nodes=$(IFS=,; echo "${MN_NODES[*]}") Default=YES MaxTime=IN
 EOF
 }
 
-start_munge() {
-  if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then return; fi
-  mkdir -p /run/munge /var/log/munge /var/lib/munge
-  [ -s /etc/munge/munge.key ] || dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
-  chown -R munge:munge /etc/munge /run/munge /var/log/munge /var/lib/munge
-  chmod 0400 /etc/munge/munge.key
-  runuser -u munge -- /usr/sbin/munged || fail "munged did not start"
-  for _ in $(seq 1 20); do
-    munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && return
-    sleep 0.5
-  done
-  fail "munge credentials do not round-trip (munged not answering)"
-}
 
 start_daemons() {
   # nsenter, not `ip netns exec`: that one remounts /sys, which hides the cgroup fs slurmd looks for.

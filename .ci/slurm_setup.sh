@@ -15,6 +15,9 @@ CONF=/etc/slurm/slurm.conf
 LOGDIR=/var/log/slurm
 NODE="$(hostname -s)"
 
+# shellcheck source=munge_lib.sh
+source "$(dirname "$0")/munge_lib.sh"
+
 fail() {
   echo "slurm_setup: $*" >&2
   for log in "$LOGDIR/slurmctld.log" "$LOGDIR/slurmd.log" /var/log/munge/munged.log; do
@@ -77,19 +80,6 @@ PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP OverSubscr
 EOF
 }
 
-start_munge() {
-  if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then return; fi
-  mkdir -p /run/munge /var/log/munge /var/lib/munge
-  [ -s /etc/munge/munge.key ] || dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
-  chown -R munge:munge /etc/munge /run/munge /var/log/munge /var/lib/munge
-  chmod 0400 /etc/munge/munge.key
-  runuser -u munge -- /usr/sbin/munged || fail "munged did not start"
-  for _ in $(seq 1 20); do
-    munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && return
-    sleep 0.5
-  done
-  fail "munge credentials do not round-trip (munged not answering)"
-}
 
 start_daemons() {
   # Daemons this script started on an earlier run may hold stale config: ask them to stop by pid file.
