@@ -255,7 +255,10 @@ class CriticConfig:
 
 @dataclass
 class WeightSyncConfig:
-    method: Literal["broadcast", "disk"] = doc("broadcast", "Broadcast over a process group, or HF shards on disk.")
+    method: Literal["broadcast", "shard_writes", "disk"] = doc(
+        "broadcast", "Broadcast over a process group; shard_writes: each engine TP rank receives only its slice "
+        "(needs engines that take per-rank writes: the reference server with --shard-writes; docs/weights.md); "
+        "or HF shards on disk.")
     backend: Literal["auto", "gloo", "nccl"] = doc("auto", "Collective backend: auto = nccl with CUDA, else gloo.")
     bucket_mb: float = doc(64.0, "Flattened bucket size in MiB.", bounds="(0, 65536]")
     pause_mode: Literal["in_place", "retract", "abort"] = doc("in_place", "Engine pause mode during a sync.")
@@ -263,6 +266,8 @@ class WeightSyncConfig:
                            bounds="(0, 86400]")
     check_equal: bool = doc(False, "After each sync compare engine tensors against the trainer's (slow).")
     disk_dir: str = doc("", "Directory for the disk method ('' = <run_dir>/weights).")
+    shard_senders: int = doc(2, "shard_writes: parallel sender lanes, each on its own group, the engine ranks "
+                                "dealt out among them.", bounds=">= 1")
     max_sender_mb: float = doc(
         32768.0, "Bound on what a broadcast sender holds during a push beyond its model shards (flat buffers, "
         "buckets, the tensor being gathered); the recipe check refuses one below what streaming needs for the "
