@@ -33,6 +33,21 @@ async def start_engines(recipe: Recipe, run_dir: Path):
     return engines, handles
 
 
+def check_engine_can_take_updates(recipe: Recipe) -> None:
+    """An FP8 SGLang engine cannot load our bf16 weight updates (SGLang 0.5.23, model_loader/loader.py):
+    it re-quantizes reloaded bf16 weights only through the flash_rl loader, which accepts the
+    Qwen2ForCausalLM and Qwen3ForCausalLM native loaders alone, and Fp8LinearMethod has no
+    restore_weights_before_loading, so a distributed, tensor or disk update would write bf16 values into
+    FP8 parameters. Refused on every rank before any engine or model starts."""
+    from sao_megatron.core.config import ConfigError
+
+    if recipe.rollout.engine_fp8 and recipe.rollout.engine == "sglang":
+        raise ConfigError("rollout.engine_fp8", "an FP8 SGLang engine cannot take this trainer's bf16 weight "
+                          "updates (SGLang 0.5.23 re-quantizes reloads only for Qwen2/Qwen3 dense models via "
+                          "flash_rl; docs/cluster.md)",
+                          "set rollout.engine_fp8 = false (bf16 engine weights)")
+
+
 def engine_clients(recipe: Recipe, urls: list[str], api_key: str) -> list:
     """One SGLangEngine per URL, told the routes' shape from the model's config.json (SGLang does not
     report it); the same for the driver's clients and every stage sender's."""

@@ -89,7 +89,10 @@ def run_rank(recipe: Recipe) -> int:
     env = init_distributed("auto")
     from .checkpointing import rank_recipe_error, resolve_resume
 
+    from .engines import check_engine_can_take_updates
+
     try:
+        check_engine_can_take_updates(recipe)    # every rank, before any engine or model is built
         recipe = resolve_resume(recipe, env.rank, env.world_size)   # verified before any model is built
     except ConfigError as err:
         if env.world_size == 1:
