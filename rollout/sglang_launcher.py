@@ -107,8 +107,11 @@ class SGLangServer:
     log_path: Path
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM the server's process group (SGLang forks schedulers), then SIGKILL after timeout_s."""
+        """SIGTERM the server's process group (SGLang forks schedulers), then SIGKILL after timeout_s.
+        When the server itself has exited already (a crash the trainer restarts), its schedulers may
+        still hold the GPU and the port: the group is killed anyway."""
         if self.process.poll() is not None:
+            _signal_group(self.process, signal.SIGKILL)
             return
         _signal_group(self.process, signal.SIGTERM)
         try:
