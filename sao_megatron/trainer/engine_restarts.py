@@ -65,6 +65,7 @@ class EngineRestarts:
                     old.process.returncode, self.left)
         ok = False
         try:
+            await asyncio.to_thread(old.stop)   # what the dead server forked may still hold the GPU and port
             port = urlsplit(old.url).port
             handle = await asyncio.to_thread(_launch_engine, self.recipe, index, self.api_keys[name],
                                              self.run_dir, port)
