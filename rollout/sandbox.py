@@ -159,6 +159,10 @@ async def _run_in(scratch: Path, code: str, limits: SandboxLimits, files: dict[s
             proc = await asyncio.create_subprocess_exec(
                 *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err, cwd=box,
                 env=_env(limits, box), start_new_session=True, pass_fds=inherited)
+    except BaseException:
+        if init:
+            os.close(info_r)    # nothing will read bwrap's info: init.learn, which closes it, never runs
+        raise
     finally:
         for fd in inherited:
             os.close(fd)

@@ -128,3 +128,15 @@ def test_an_interpreter_installed_under_tmp_still_runs_in_the_sandbox(tmp_path):
              "print(r.returncode, r.stdout.strip(), r.stderr.strip()[-200:])\n") % str(repo)
     out = subprocess.run([str(venv / "bin" / "python"), "-c", probe], capture_output=True, text=True, timeout=300)
     assert out.stdout.split()[:2] == ["0", str(venv / "bin" / "python")], (out.stdout, out.stderr[-500:])
+
+
+def test_a_run_that_cannot_start_leaks_no_file_descriptor(monkeypatch):
+    async def fail(*args, **kwargs):
+        raise OSError("spawn failed")
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", fail)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with pytest.raises(OSError, match="spawn failed"):
+            run("print(1)")
+    assert len(os.listdir("/proc/self/fd")) == before
