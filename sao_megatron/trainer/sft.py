@@ -192,6 +192,7 @@ def _export(recipe: Recipe, policy, rank: int) -> Path:
         for _ in tensors:
             pass
         return out
+    (out / MARKER).unlink(missing_ok=True)   # until the new model is whole, no marker may call it done
     for old in out.glob("*.safetensors"):
         old.unlink()
     save_hf_checkpoint(out, tensors, aux_from=recipe.model.path)

@@ -43,6 +43,25 @@ def test_marker_tracks_the_sft_section(tmp_path):
     assert not _is_done(changed, out)              # another [sft] section: SFT runs again
 
 
+def test_an_interrupted_export_leaves_no_done_marker(tmp_path, monkeypatch):
+    import checkpoints.hf_io as hf_io
+    from sao_megatron.trainer.sft import _export
+
+    recipe = load_recipe(RECIPE, [f"run.output_dir='{tmp_path}'", "sft.steps=5"], check_files=False)
+    out = sft_output_dir(recipe)
+    out.mkdir(parents=True)
+    (out / "sao_sft.json").write_text(json.dumps(_marker(recipe)))   # an earlier export of the same section
+    (out / "model.safetensors").write_bytes(b"old")
+
+    def interrupted(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(hf_io, "save_hf_checkpoint", interrupted)
+    with pytest.raises(OSError, match="disk full"):
+        _export(recipe, type("Policy", (), {"export_hf": lambda self: iter(())})(), rank=0)
+    assert not _is_done(recipe, out)               # `sao train` must run SFT again, not load a partial model
+
+
 def _sao(tmp: Path, command: str, *overrides: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "sao_megatron.cli.main", command, str(RECIPE), f"run.output_dir='{tmp}'",
            "run.name='sft'", f"model.path='{tmp / 'model'}'", "logging.wandb=false", "rollout.task='chain:1:1'",
