@@ -30,7 +30,7 @@ from rollout.engine import EngineError
 from sao_megatron.core.backends import resolve_backend
 from sao_megatron.core.ports import free_port
 
-from .buckets import Bucket, copy_bytes, create_sender_group
+from .buckets import Bucket, create_sender_group
 from .calls import in_daemon_thread, payload_device, pinned, run_all
 from .receiver import WeightReceiver
 from .shard_plan import shard_of
@@ -57,21 +57,12 @@ class _LaneFailed(RuntimeError):
 
 def flatten_slices(bucket: Bucket, out: Optional[torch.Tensor],
                    device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """(payload, buffer): the slices' bytes copied straight into a reused uint8 buffer, grown when needed;
-    one copy per slice even when it is strided (a row split); a GPU slice into a CPU buffer (gloo from
-    a GPU trainer) is one device-to-host copy; CPU to CPU through numpy (buckets.copy_bytes: torch's
-    intra-op threads, beside the lanes' own threads on a loaded CPU, made these copies 10-100x slower)."""
+    """(payload, buffer): Bucket.flatten into a reused uint8 buffer, grown when needed (one copy per
+    slice even when it is strided; a GPU slice into a CPU buffer, gloo from a GPU trainer, is one
+    device-to-host copy)."""
     if out is None or out.numel() < bucket.nbytes:
         out = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
-    flat, offset = out[: bucket.nbytes], 0
-    for t in bucket.tensors:
-        nbytes = t.numel() * t.element_size()
-        if flat.device.type == "cpu" and t.device.type == "cpu":
-            copy_bytes(flat[offset: offset + nbytes], t)
-        else:
-            flat[offset: offset + nbytes].view(t.dtype).view(t.shape).copy_(t)
-        offset += nbytes
-    return flat, out
+    return bucket.flatten(device, out), out
 
 
 class _Lane:
