@@ -20,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+from checkpoints.run_state import PREFIX as CHECKPOINT_PREFIX
 from sao_megatron.core.config import Recipe
 from sao_megatron.core.records import Sample, TrainBatch
 
@@ -92,7 +93,7 @@ class Trainer:
         if not (self.consistent and checkpoints.saves):
             return False
         latest = checkpoints.checkpointer.latest()
-        if latest is not None and latest.name.endswith(f"{step:08d}"):
+        if latest is not None and latest.name == f"{CHECKPOINT_PREFIX}{step:08d}":
             return True
         self.consistent = False    # a failure inside the save must not try again
         await checkpoints.maybe_save(step, True, checkpoint_parts(self.parts, self.state))
