@@ -90,6 +90,11 @@ def _rendezvous_store(info: RankEnv, timeout_s: float):
     every interface). None under torchrun's agent store, which torch's env:// then reaches."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return None
+    if info.source == "single" and info.world_size == 1:
+        # alone: bind port 0, so a free port picked earlier cannot be taken by another process in between
+        store = bound_store(os.environ["MASTER_ADDR"], 0, 1, True, timeout_s)
+        os.environ["MASTER_PORT"] = str(store.port)
+        return store
     return bound_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.world_size,
                        info.rank == 0, timeout_s)
 

@@ -73,12 +73,15 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 def bound_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float):
-    """torch TCPStore at host:port; the master's server listens on that address alone."""
+    """torch TCPStore at host:port; the master's server listens on that address alone. Port 0 (a
+    master only): the kernel picks a free port while binding, so no other process can take it between
+    a choice and the bind; the store's `.port` says which."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
     if not is_master:
         return dist.TCPStore(host, port, world_size, False, timeout)
     sock = listening_socket(host, port)
+    port = sock.getsockname()[1]
     fd = sock.detach()   # the store owns the descriptor from here on
     return dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=fd)

@@ -19,8 +19,8 @@ def test_world_size_mismatch_names_fields():
 @pytest.mark.parametrize("dims, match", [
     (ParallelDims(tp=4, dp=1), "num_key_value_heads=2"),
     (ParallelDims(ep=3, dp=3), "does not divide num_experts=8"),
-    (ParallelDims(pp=3), "does not divide num_layers=4"),
-    (ParallelDims(pp=2, vpp=4), "exceeds num_layers=4|does not divide num_layers=4"),
+    (ParallelDims(pp=3), r"pp=3 \(vpp=1\) leaves a pipeline rank without layers \(num_layers=4: \[2, 2, 0\]\)"),
+    (ParallelDims(pp=2, vpp=4), r"pp=2 \(vpp=4\) leaves a pipeline rank without layers \(num_layers=4"),
     (ParallelDims(ep=4, dp=2), "ep=4 x etp=1 does not divide"),
     (ParallelDims(vpp=2), "vpp > 1 needs parallel.pp > 1"),
 ])
