@@ -48,3 +48,18 @@ def _quiet_wandb(monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture
+def preemption_signals_restored():
+    """The preemption flag cleared and SIGTERM/SIGUSR1 handlers put back after a test that installs them."""
+    import signal
+
+    from checkpoints import preemption
+
+    saved = {s: signal.getsignal(s) for s in preemption.DEFAULT_SIGNALS}
+    preemption.clear()
+    yield
+    preemption.clear()
+    for s, h in saved.items():
+        signal.signal(s, h)

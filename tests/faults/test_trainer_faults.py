@@ -40,14 +40,7 @@ TOK = build_tokenizer()
 GENEROUS_S = 120   # turns a hang into a failure; the bounded times asserted are far below it
 
 
-@pytest.fixture(autouse=True)
-def _restore_signal_handlers():
-    saved = {s: signal.getsignal(s) for s in preemption.DEFAULT_SIGNALS}
-    preemption.clear()
-    yield
-    preemption.clear()
-    for s, h in saved.items():
-        signal.signal(s, h)
+pytestmark = pytest.mark.usefixtures("preemption_signals_restored")
 
 
 class Run:

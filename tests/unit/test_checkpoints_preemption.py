@@ -12,14 +12,7 @@ import pytest
 from checkpoints import preemption
 
 
-@pytest.fixture(autouse=True)
-def _restore_handlers():
-    saved = {s: signal.getsignal(s) for s in preemption.DEFAULT_SIGNALS}
-    preemption.clear()
-    yield
-    preemption.clear()
-    for s, h in saved.items():
-        signal.signal(s, h)
+pytestmark = pytest.mark.usefixtures("preemption_signals_restored")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
