@@ -418,7 +418,13 @@ def test_locally_started_engine_killed_mid_collection_is_restarted_and_nothing_i
             in_flight = set(driver._active)
             old_pid = handles[0].process.pid
             os.kill(old_pid, signal.SIGKILL)
-            second = await asyncio.wait_for(driver.get_batch(4, current_version=0), GENEROUS_S * 2)
+            # samples buffered before the kill may fill a batch at once: read on until the restart is
+            # recorded and every sample in flight at the kill has come back (bounded)
+            second = []
+            for _ in range(8):
+                second += await asyncio.wait_for(driver.get_batch(4, current_version=0), GENEROUS_S * 2)
+                if restarts.restarts and in_flight <= {s.uid for s in second}:
+                    break
             new_pid = restarts.slots[engines[0].name][1].process.pid
             return first, second, in_flight, old_pid, new_pid, restarts.restarts, driver.state_dict(), driver.counts
         finally:
