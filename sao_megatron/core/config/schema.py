@@ -125,7 +125,10 @@ class RolloutConfig:
     engine_ep: int = doc(1, "SGLang: expert parallel size per engine.", bounds=">= 1")
     engine_dp_attention: int = doc(0, "SGLang: dp-attention size (0 = off).", bounds=">= 0")
     mem_fraction: float = doc(0.7, "SGLang: --mem-fraction-static.", bounds="(0, 1)")
-    engine_fp8: bool = doc(False, "SGLang: serve FP8 weights (--quantization fp8).")
+    engine_fp8: bool = doc(False, "Engines serve block-FP8 (128x128) weights (--quantization fp8) and weight sync "
+                                  "sends them FP8 blocks with their scales (docs/weight-transports.md, FP8 engines).")
+    engine_model_path: str = doc("", "Checkpoint the engines load ('' = model.path). SGLang with engine_fp8: a "
+                                     "block-FP8 checkpoint of the model (quantization_config fp8, [128, 128] blocks).")
     mode: Literal["single", "group"] = doc("single", "single: one rollout per prompt (SAO); group: n per prompt.")
     n_samples_per_prompt: int = doc(1, "Rollouts per prompt in group mode.", bounds=">= 1")
     batch_size: int = doc(16, "Samples per policy step (SAO paper: 128).", bounds=">= 1")
