@@ -1,7 +1,9 @@
-"""`sao launch RECIPE.toml --nodes N [--submit [--wait]] [--dry-run] [key=value ...]` (also `sao-launch`).
+"""`sao launch RECIPE.toml --nodes N [--submit [--wait]] [--dry-run] [--no-check] [key=value ...]` (also `sao-launch`).
 
 Writes <run_dir>/resolved_recipe.toml, <run_dir>/launch/job.sbatch (and one script per rollout
-node), then optionally submits it. --dry-run prints the script and writes nothing.
+node), then optionally submits it. --dry-run prints the script and writes nothing. Before either, the
+recipe's machine checks that hold on this host run (launch/validate.py: names always, reward_fn imports
+and paths unless --no-check, paths not for --dry-run).
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 from sao_megatron.core.config import ConfigError
 
 from .render import DEFAULT_TRAIN_COMMAND, JobPaths, load_launch_recipe, render_script, write_job
-from .validate import check_options, check_script_paths
+from .validate import check_on_submit_host, check_options, check_script_paths
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +31,10 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wait", action="store_true", help="with --submit: block until the job ends, exit with its code")
     parser.add_argument("--wait-timeout", type=float, default=86400.0, help="seconds --wait waits before cancelling the job")
     parser.add_argument("--dry-run", action="store_true", help="print the script, write nothing")
+    parser.add_argument("--no-check", action="store_true",
+                        help="skip the submit-host checks of imports (rollout.reward_fn) and paths (model.path, "
+                             "datasets, checkpoint.resume) for a job whose files or modules exist only on the compute "
+                             "nodes or in its container; `sao train` still checks them when the job starts")
     parser.add_argument("--train-command", default=DEFAULT_TRAIN_COMMAND,
                         help="command each trainer rank runs; {python}, {recipe} (resolved recipe) and {overrides} "
                              "(engine URLs) are filled in (default: %(default)s)")
@@ -55,6 +61,7 @@ def run(args) -> int:
     recipe = load_launch_recipe(args.recipe, args.nodes, args.overrides)
     workdir = Path.cwd()
     check_script_paths(workdir, (workdir / recipe.run_dir).resolve(), recipe.source)
+    check_on_submit_host(recipe, files=not args.dry_run, environment=not args.no_check)
     if args.dry_run:
         run_dir = (workdir / recipe.run_dir).resolve()
         paths = JobPaths(workdir, run_dir, run_dir / "resolved_recipe.toml", run_dir / "launch" / "job.sbatch")

@@ -3,6 +3,11 @@ seconds per step (rollout, train, weight sync and their overlap), and layouts th
 
 Exit code 0 when the recipe's own layout fits, 1 when it does not (the suggestions say what would), 2 on a
 bad argument (one line). Formulas: parallel/planner/ and docs/cluster.md.
+
+A plan is often made away from the cluster (a laptop, for a recipe whose model.path and datasets live on
+the cluster's storage), so of the recipe's machine checks it runs only those this checkout's code
+decides: the task, the eval sources' task names and schemes, the model presets (exit 2, one line). Paths
+and rollout.reward_fn imports are `sao launch`'s (at submit) and `sao train`'s (launch/validate.py).
 """
 from __future__ import annotations
 
@@ -52,6 +57,7 @@ def argument_problem(args) -> str:
 
 def run(args) -> int:
     from checkpoints.arch import load_recipe
+    from launch.validate import check_names
     from parallel.planner import OPTION_LADDER, make_plan, plan_input_from_recipe, search_layouts, with_options
 
     problem = argument_problem(args)
@@ -59,6 +65,7 @@ def run(args) -> int:
         print(f"sao plan: {problem}", file=sys.stderr)
         return 2
     recipe = load_recipe(args.recipe, args.overrides, check_files=False)
+    check_names(recipe)
     placement = {"critic_placement": args.critic_placement} if args.critic_placement else {}   # else the recipe's
     inp = plan_input_from_recipe(recipe, args.gpus or 0, args.gpu, optimizer_offload=args.optimizer_offload,
                                  kv_dtype=args.kv_cache_dtype, **placement)

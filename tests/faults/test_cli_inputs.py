@@ -1,7 +1,9 @@
 """Bad command-line inputs of `sao convert` and `sao launch` (issue 15.4): exit 2 with one line naming
 the input and the fix, and nothing written. convert refuses zero/negative sizes and a config.json that
 contradicts its weights (which used to convert into shards no model could load); launch refuses values
-that would inject lines into the sbatch script, a negative signal time and a malformed time limit."""
+that would inject lines into the sbatch script, a negative signal time and a malformed time limit, and
+runs the recipe's machine checks that hold on the submit host before writing (launch/validate.py): names
+always, imports unless --no-check, paths also unless --dry-run; plan runs only the name checks."""
 from __future__ import annotations
 
 import json
@@ -151,3 +153,93 @@ def test_accepted_values_render_one_line_each(tmp_path, monkeypatch, capsys):
     assert "#SBATCH --partition=gpu,debug" in directives and "#SBATCH --account=proj-1" in directives
     assert "#SBATCH --time=1-12:30:00" in directives and "#SBATCH --signal=B:USR1@300" in directives
     assert len(directives) == len(set(d.split("=")[0] for d in directives))   # no option twice, none injected
+
+
+# ------------------------------------------------------------------ submit-time recipe checks (launch, plan)
+
+def _written(tmp_path: Path) -> list[Path]:
+    return sorted(p for p in tmp_path.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("mode", ["--dry-run", "write"])
+def test_launch_refuses_an_unimportable_reward_fn_before_writing(tmp_path, monkeypatch, capsys, mode):
+    extra = ["--dry-run"] if mode == "--dry-run" else []
+    assert _launch(tmp_path, monkeypatch, "rollout.reward_fn='no_such_module.rewards:score'", *extra) == 2
+    _one_line_error(capsys, "sao launch: recipe error: rollout.reward_fn: cannot import 'no_such_module.rewards'",
+                    "fix:", "--no-check")
+    assert _written(tmp_path) == []
+
+
+# (override, field) refused at submit; the names ones even under --no-check
+NAMES_BAD = [("rollout.task='no_such_task'", "rollout.task"),
+             ("eval.datasets=['task:no_such_task']", "eval.datasets"),
+             ("eval.datasets=['nosuchscheme:tasks.jsonl']", "eval.datasets")]
+
+
+@pytest.mark.parametrize("override, field", NAMES_BAD, ids=[o for o, _ in NAMES_BAD])
+@pytest.mark.parametrize("flags", [["--dry-run"], [], ["--no-check"]], ids=["dry-run", "write", "no-check"])
+def test_launch_refuses_unknown_names_in_every_mode(tmp_path, monkeypatch, capsys, override, field, flags):
+    assert _launch(tmp_path, monkeypatch, override, *flags) == 2
+    err = _one_line_error(capsys, f"recipe error: {field}:", "fix:")
+    assert "--no-check" not in err   # a name the code does not know is wrong on every host
+    assert _written(tmp_path) == []
+
+
+PATHS_BAD = [("checkpoint.resume='/nonexistent/ckpt/step_00000010'", "checkpoint.resume"),
+             ("rollout.dataset='/nonexistent/train.jsonl'", "rollout.dataset"),
+             ("eval.datasets=['/nonexistent/eval.jsonl']", "eval.datasets")]
+
+
+@pytest.mark.parametrize("override, field", PATHS_BAD, ids=[f for _, f in PATHS_BAD])
+def test_launch_checks_paths_when_writing_the_job_and_no_check_skips_them(tmp_path, monkeypatch, capsys, override,
+                                                                          field):
+    assert _launch(tmp_path, monkeypatch, override) == 2
+    _one_line_error(capsys, f"recipe error: {field}: /nonexistent/", "does not exist", "--no-check")
+    assert _written(tmp_path) == []
+    # --dry-run previews anywhere (a cluster recipe on a laptop): its paths are not looked at
+    assert _launch(tmp_path, monkeypatch, override, "--dry-run") == 0
+    assert capsys.readouterr().out.startswith("#!/bin/bash")
+    # --no-check: paths that exist only on the compute nodes; the job is written, `sao train` checks them there
+    assert _launch(tmp_path, monkeypatch, override, "--no-check") == 0
+    assert (tmp_path / "runs" / "tiny-sao" / "launch" / "job.sbatch").is_file()
+
+
+def test_launch_no_check_writes_a_job_whose_reward_fn_only_the_job_can_import(tmp_path, monkeypatch, capsys):
+    assert _launch(tmp_path, monkeypatch, "rollout.reward_fn='in_container_only.rewards:score'", "--no-check") == 0
+    resolved = (tmp_path / "runs" / "tiny-sao" / "resolved_recipe.toml").read_text()
+    assert "in_container_only.rewards:score" in resolved
+
+
+def test_launch_checks_the_model_against_the_layout_at_submit(tmp_path, monkeypatch, capsys, tiny_model_dir):
+    """model.path's config.json is read at submit: tp=8 cannot split the tiny model's 4 heads. The error is
+    the layout's, with no --no-check hint (that config.json is wrong wherever it is read)."""
+    assert _launch(tmp_path, monkeypatch, f"model.path='{tiny_model_dir}'", "parallel.tp=8") == 2
+    err = _one_line_error(capsys, "parallel.tp", "4 attention heads", "fix:")
+    assert "--no-check" not in err
+    assert _written(tmp_path) == []
+
+
+def test_launch_of_a_good_recipe_still_writes(tmp_path, monkeypatch, capsys, tiny_model_dir):
+    assert _launch(tmp_path, monkeypatch, f"model.path='{tiny_model_dir}'", "rollout.reward_fn='json:loads'",
+                   "eval.datasets=['task:countdown']") == 0
+    assert (tmp_path / "runs" / "tiny-sao" / "launch" / "job.sbatch").is_file()
+
+
+def _plan(tiny_model_dir, *overrides: str) -> int:
+    return main(["plan", str(TINY), "--gpus", "1", f"model.path='{tiny_model_dir}'", *overrides])
+
+
+@pytest.mark.parametrize("override, field", NAMES_BAD, ids=[o for o, _ in NAMES_BAD])
+def test_plan_refuses_unknown_names(tiny_model_dir, capsys, override, field):
+    assert _plan(tiny_model_dir, override) == 2
+    _one_line_error(capsys, f"sao plan: recipe error: {field}:", "fix:")
+
+
+@pytest.mark.parametrize("override", ["rollout.reward_fn='in_container_only.rewards:score'",
+                                      "rollout.dataset='/cluster/only/train.jsonl'",
+                                      "checkpoint.resume='/cluster/only/step_00000010'"])
+def test_plan_leaves_imports_and_paths_to_the_cluster(tiny_model_dir, capsys, override):
+    """A plan is made away from the cluster too: a module or file only the cluster has is no plan error."""
+    assert _plan(tiny_model_dir, override) in (0, 1)
+    captured = capsys.readouterr()
+    assert "verdict:" in captured.out and "recipe error" not in captured.err
