@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test test-unit test-distributed test-faults test-slurm bench-quick clean
+.PHONY: setup demo test test-unit test-distributed test-faults test-learning test-slurm bench-quick clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,9 @@ test-distributed: $(STAMP)
 
 test-faults: $(STAMP)
 	$(BIN)/pytest tests/faults -q
+
+test-learning: $(STAMP)
+	$(BIN)/pytest tests/learning -q
 
 test-slurm: $(STAMP)
 	$(BIN)/pytest tests/slurm -q

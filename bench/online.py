@@ -6,7 +6,9 @@ within a phase, so the reward drops at each switch and has to climb back.
 
 Compares how fast each method recovers after a switch: SAO (learned value model), a group baseline
 (GRPO, 4 rollouts per prompt) and REINFORCE with a running-mean baseline, at the same number of
-samples per step. Per switch (measured on policy steps, phases split where env/phase advances):
+samples per step, every run starting from the same SFT model as the other learning benchmarks
+(bench/sft_start.py) on the demo recipe. Per switch (measured on policy steps, phases split where
+env/phase advances):
 
 - before = mean reward of the last 5 steps of the previous phase; target = 0.8 * before;
 - the first step of the new phase is left out of what follows: its batch may still hold samples
@@ -21,7 +23,9 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from bench.training_runs import mean_std, plot_curves, series, train_run
+from bench.sft_start import from_sft, sft_info, sft_start
+from bench.stats import diff_ci, mean_ci
+from bench.training_runs import SFT_DEMO, mean_std, plot_curves, run_all, series
 
 METHODS = {
     "sao": ["algorithm.name='sao'"],
@@ -69,38 +73,48 @@ def recovery_per_switch(rows: list[dict], rules: tuple) -> list[dict]:
     return out
 
 
-def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False) -> dict:
-    """quick: SAO, 2 phases of 1 step; default: 3 methods, 3 seeds, 3 phases of 60 steps (about 15 min
-    on 2 CPU cores); full: 3 methods, 5 seeds, 4 phases of 60 steps (back to the first style)."""
+def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False, jobs: int = 1) -> dict:
+    """quick: SAO, 2 phases of 1 step from a 2-step SFT; default: 3 methods, 5 seeds, 3 phases of 40
+    steps (about 15 min on 2 CPU cores with jobs=2); full: 4 phases of 60 steps (back to the first style)."""
     from rollout.environments import DEFAULT_RULES
 
-    switch_every, phases = (1, 2) if quick else ((60, 4) if full else (60, 3))
-    seeds = [1] if quick else ([1, 2, 3, 4, 5] if full else [1, 2, 3])
+    switch_every, phases = (1, 2) if quick else ((60, 4) if full else (40, 3))
+    seeds = [1] if quick else [1, 2, 3, 4, 5]
     methods = ["sao"] if quick else list(METHODS)
-    warmup = 1 if quick else 3
+    warmup = 1 if quick else 10
+    model = sft_start(out_dir, quick)
     work = out_dir / "runs_online"
+    specs = [(f"online-{method}-s{seed}",
+              METHODS[method] + from_sft(model) + ["rollout.task='online'", f"rollout.env_switch_every={switch_every}",
+                                                   f"run.num_steps={switch_every * phases}",
+                                                   f"critic.warmup_steps={warmup}", f"run.seed={seed}"])
+             for method in methods for seed in seeds]
+    rows = run_all(specs, work, jobs=jobs, recipe=SFT_DEMO)
     table, curves = {}, {}
     for method in methods:
         switches, runs = [], []
         for seed in seeds:
-            overrides = METHODS[method] + ["rollout.task='online'", f"rollout.env_switch_every={switch_every}",
-                                           f"run.num_steps={switch_every * phases}",
-                                           f"critic.warmup_steps={warmup}", f"run.seed={seed}"]
-            rows = train_run(f"online-{method}-s{seed}", overrides, work)
-            switches += [dict(s, seed=seed) for s in recovery_per_switch(rows, DEFAULT_RULES)]
-            runs.append(series(rows, "rollout/raw_reward"))
+            run_rows = rows[f"online-{method}-s{seed}"]
+            switches += [dict(s, seed=seed) for s in recovery_per_switch(run_rows, DEFAULT_RULES)]
+            runs.append(series(run_rows, "rollout/raw_reward"))
         table[method] = _method_row(switches, seeds)
         curves[method] = runs
+    comparisons = {f"{m}-sao": diff_ci(table[m]["censored_recovery"], table["sao"]["censored_recovery"])
+                   for m in methods if m != "sao"}
     plot_curves(curves, f"online: style switches every {switch_every} trainer steps", out_dir / "online.png")
     return {"table": table, "switch_every": switch_every, "phases": phases, "rules": list(DEFAULT_RULES),
             "critic_warmup_steps": warmup, "recovery_fraction": RECOVERY_FRACTION, "window": WINDOW,
-            "summary": _summary(table)}
+            "comparisons": comparisons, "start": sft_info(model), "summary": _summary(table)}
 
 
 def _method_row(switches: list[dict], seeds: list[int]) -> dict:
     recovered = [float(s["recovery_steps"]) for s in switches if s["recovery_steps"] is not None]
     mean, std = mean_std(recovered)
+    # a switch never recovered from counts as the whole phase (a lower bound on its recovery time)
+    censored = [float(s["recovery_steps"] if s["recovery_steps"] is not None else s["steps_in_phase"])
+                for s in switches if s["informative"]]
     return {"switches": switches, "recovery_steps": [s["recovery_steps"] for s in switches],
+            "censored_recovery": censored, "censored_recovery_ci": mean_ci(censored),
             "recovery_mean": mean, "recovery_std": std,
             "never_recovered": sum(s["recovery_steps"] is None for s in switches),
             "informative_switches": sum(s["informative"] for s in switches), "seeds": seeds}

@@ -10,8 +10,9 @@ the JSON says so.
 Quick (CI) runs, and any out dir other than the repository's results/, render OUT_DIR/results.md:
 the repository's docs/results.md only ever shows the results/ files.
 
-This module frames the report (preamble, one section per benchmark of bench/registry.py, provenance);
-the sections' bodies are in bench/report_learning.py and bench/report_systems.py.
+This module frames the report (preamble, the paper's claims with a verdict each, one section per
+benchmark of bench/registry.py, provenance); the sections' bodies are in bench/report_claims.py,
+bench/report_learning.py and bench/report_systems.py.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Callable, Optional
 
 from bench import REPO
 from bench.registry import BENCHMARKS, RUN_ORDER
+from bench.report_claims import claims_section
 
 
 def report_path(out_dir: Path, quick: bool) -> Path:
@@ -57,6 +59,9 @@ def render(results_dir: Path, doc_path: Path) -> str:
     results = load_results(results_dir)
     link = _linker(results_dir, doc_path)
     parts = [_preamble(results, results_dir, doc_path)]
+    claims = claims_section(results)
+    if claims:
+        parts.append(claims)
     for bench in BENCHMARKS:
         parts.append(_section(bench.name, bench.title, results.get(bench.name), bench.section, link))
     return "\n\n".join(parts).rstrip() + "\n"

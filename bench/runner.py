@@ -1,7 +1,7 @@
 """Run one benchmark and write OUT_DIR/NAME.json with what it measured, on what machine, by which command.
 
 Each bench/NAME.py exposes ``run(quick: bool, ...) -> dict``; optional keyword arguments (out_dir,
-full, tasks) are passed only to benchmarks whose run() takes them. `out_dir` must be absolute: the
+full, tasks, jobs) are passed only to benchmarks whose run() takes them. `out_dir` must be absolute: the
 training benchmarks start `sao train` subprocesses that receive paths under it.
 """
 from __future__ import annotations
@@ -35,7 +35,8 @@ def machine() -> dict:
             "torch": torch.__version__, "megatron_core": version("megatron-core")}
 
 
-def run_one(name: str, quick: bool, out_dir: Path, full: bool = False, tasks: Optional[list[str]] = None) -> dict:
+def run_one(name: str, quick: bool, out_dir: Path, full: bool = False, tasks: Optional[list[str]] = None,
+            jobs: int = 1) -> dict:
     """Run bench/NAME.py and write OUT_DIR/NAME.json; returns the result dict."""
     module = importlib.import_module(f"bench.{name.replace('-', '_')}")
     started = time.perf_counter()
@@ -47,6 +48,8 @@ def run_one(name: str, quick: bool, out_dir: Path, full: bool = False, tasks: Op
         kwargs["full"] = True
     if tasks and "tasks" in params:
         kwargs["tasks"] = tasks
+    if "jobs" in params:
+        kwargs["jobs"] = jobs
     result = module.run(**kwargs)
     result.setdefault("bench", name)
     result["quick"] = quick
@@ -54,7 +57,10 @@ def run_one(name: str, quick: bool, out_dir: Path, full: bool = False, tasks: Op
     result["machine"] = machine()
     result["wall_s"] = time.perf_counter() - started
     result["command"] = (f"sao bench {name}" + (" --quick" if quick else "") + (" --full" if result["full"] else "")
-                         + (f" --tasks {','.join(tasks)}" if tasks and "tasks" in params else ""))
+                         + (f" --tasks {','.join(tasks)}" if tasks and "tasks" in params else "")
+                       + (f" --jobs {jobs}" if jobs > 1 and "jobs" in params else ""))
+    if "jobs" in params:
+        result["jobs"] = jobs
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps(result, indent=2, default=float))
     return result

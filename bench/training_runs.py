@@ -1,22 +1,49 @@
-"""Run `sao train` on the tiny recipe as subprocesses and read back their metrics (for the
+"""Run `sao train` on the tiny recipes as subprocesses and read back their metrics (for the demo,
 algorithms, stability and online benchmarks). Each run is its own process: Megatron's parallel state
-and the rollout server never leak from one run into the next.
+and the rollout server never leak from one run into the next. `run_all` runs independent runs
+`jobs` at a time (their learning metrics do not depend on it; their wall times do).
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench import REPO
 
-TINY = REPO / "recipes" / "tiny_moe_cpu.toml"
+TINY = REPO / "recipes" / "tiny_moe_cpu.toml"          # RL from random init
+SFT_DEMO = REPO / "recipes" / "tiny_sft_sao_cpu.toml"   # `make demo`: SFT, then SAO
 
 
-def train_run(name: str, overrides: list[str], out_root: Path, timeout_s: float = 3600.0) -> list[dict]:
+def run_env() -> dict:
+    """One OpenMP thread per process unless the caller chose otherwise: the trainer and its rollout
+    server share the cores, and more threads slow the tiny model down (as `make demo` runs it)."""
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
+def run_all(specs: list[tuple[str, list[str]]], out_root: Path, jobs: int = 1, recipe: Path = TINY,
+            timeout_s: float = 3600.0) -> dict[str, list[dict]]:
+    """`train_run` for each (name, overrides), `jobs` at a time; {name: rows} in the specs' order.
+
+    The first run goes alone: it creates the base model the others share (out_root/model)."""
+    if not specs:
+        return {}
+    (first, first_overrides), rest = specs[0], specs[1:]
+    done = {first: train_run(first, first_overrides, out_root, timeout_s, recipe)}
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = {name: pool.submit(train_run, name, overrides, out_root, timeout_s, recipe)
+                   for name, overrides in rest}
+        done.update({name: future.result() for name, future in futures.items()})
+    return done
+
+
+def train_run(name: str, overrides: list[str], out_root: Path, timeout_s: float = 3600.0,
+              recipe: Path = TINY) -> list[dict]:
     """One `sao train` run; returns its metrics.jsonl rows. Raises with the log tail on failure.
 
     Every path the run gets is absolute and the subprocess runs inside `out_root`, so the benchmark
@@ -24,11 +51,12 @@ def train_run(name: str, overrides: list[str], out_root: Path, timeout_s: float 
     out_root = Path(out_root).resolve()
     out_root.mkdir(parents=True, exist_ok=True)
     log = out_root / f"{name}.log"
-    cmd = [sys.executable, "-m", "sao_megatron.cli.main", "train", str(TINY), f"run.name='{name}'",
+    cmd = [sys.executable, "-m", "sao_megatron.cli.main", "train", str(recipe), f"run.name='{name}'",
            f"run.output_dir='{out_root}'", "logging.wandb=false", "logging.console=false", "logging.plot=false",
            "checkpoint.interval=0", "checkpoint.resume='never'", f"model.path='{out_root / 'model'}'", *overrides]
     with log.open("w") as fh:
-        proc = subprocess.run(cmd, cwd=out_root, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s)
+        proc = subprocess.run(cmd, cwd=out_root, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s,
+                              env=run_env())
     if proc.returncode != 0:
         tail = "\n".join(log.read_text().splitlines()[-20:])
         raise RuntimeError(f"training run {name} failed (exit {proc.returncode}); log {log}:\n{tail}")

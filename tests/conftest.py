@@ -1,7 +1,8 @@
 """Shared fixtures and the test tiers.
 
-Tiers follow the folder: tests/unit (default), tests/distributed (2+ ranks over gloo),
-tests/slurm (a running single-node slurm), tests/gpu (CUDA; skipped here with the reason shown).
+Tiers follow the folder: tests/unit (default), tests/distributed (2+ ranks over gloo), tests/faults
+(the fault and bad-input suite), tests/learning (the demo learns its task, end to end), tests/slurm
+(a running single-node slurm), tests/multinode, tests/gpu (CUDA; skipped here with the reason shown).
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-TIERS = {"unit", "distributed", "faults", "slurm", "multinode", "gpu"}
+TIERS = {"unit", "distributed", "faults", "learning", "slurm", "multinode", "gpu"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -25,6 +25,9 @@ def register(sub) -> None:
     parser.add_argument("--tasks", default=None,
                         help="comma-separated tasks for benchmarks that take them (algorithms: arithmetic,copy); "
                              "rows of other tasks already in NAME.json with the same sizes are kept")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="training runs at a time in the learning benchmarks (algorithms, stability, online); "
+                             "their learning metrics do not depend on it, their wall times do")
     parser.add_argument("--out-dir", default=None,
                         help="where NAME.json (and NAME.png) go (default ./results, or ./runs/bench-quick with "
                              "--quick, under the current directory)")
@@ -35,13 +38,16 @@ def run(args) -> int:
     from bench.report import report_path, write_report
     from bench.runner import run_one
 
+    if args.jobs < 1:
+        print(f"sao bench: --jobs must be at least 1, got {args.jobs}", file=sys.stderr)
+        return 2
     out_dir = Path(args.out_dir or ("runs/bench-quick" if args.quick else "results")).resolve()
     names = {"all": list(RUN_ORDER), "report": []}.get(args.name, [args.name])
     failed = []
     for name in names:
         try:
             result = run_one(name, args.quick, out_dir, full=args.full,
-                             tasks=args.tasks.split(",") if args.tasks else None)
+                             tasks=args.tasks.split(",") if args.tasks else None, jobs=args.jobs)
         except Exception as err:  # one failed benchmark must not hide the others' results
             failed.append(name)
             print(f"bench {name}: FAILED: {type(err).__name__}: {err}", file=sys.stderr)

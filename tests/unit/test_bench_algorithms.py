@@ -1,4 +1,6 @@
-"""`sao bench algorithms --tasks T` runs only T and keeps the other tasks' rows measured at the same sizes."""
+"""`sao bench algorithms` from the SFT start: every run starts from the one SFT model, every method
+gets the same samples, intervals and differences are computed per task, and `--tasks T` keeps the
+other tasks' rows measured at the same sizes."""
 from __future__ import annotations
 
 import json
@@ -9,38 +11,50 @@ import bench.algorithms as algorithms
 
 
 @pytest.fixture
-def fake_runs(monkeypatch):
-    calls = []
+def fake_runs(monkeypatch, tmp_path):
+    calls = {}
 
-    def train_run(name, overrides, out_root):
-        calls.append(name)
-        (out_root / name).mkdir(parents=True, exist_ok=True)
-        (out_root / name / "resolved_recipe.toml").write_text("[rollout]\nbatch_size = 32\n")
-        return [{"step": s, "rollout/raw_reward": 0.1 * s} for s in range(1, 7)]
+    def run_all(specs, out_root, jobs=1, recipe=None, timeout_s=0):
+        rows = {}
+        for name, overrides in specs:
+            calls[name] = overrides
+            (out_root / name).mkdir(parents=True, exist_ok=True)
+            batch = 64
+            (out_root / name / "resolved_recipe.toml").write_text(f"[rollout]\nbatch_size = {batch}\n")
+            steps = next(int(o.split("=")[1]) for o in overrides if o.startswith("run.num_steps="))
+            steps += next((int(o.split("=")[1]) for o in overrides if o.startswith("critic.warmup_steps=")), 0)
+            better = 0.3 if "algorithm.name='sao'" in overrides else 0.0
+            rows[name] = [{"step": s, "rollout/accuracy": 0.4 + better * s / steps, "rollout/raw_reward": 0.5}
+                          for s in range(1, steps + 1)]
+        return rows
 
-    monkeypatch.setattr(algorithms, "train_run", train_run)
+    monkeypatch.setattr(algorithms, "run_all", run_all)
+    monkeypatch.setattr(algorithms, "sft_start", lambda out_dir, quick=False: tmp_path / "sft_model")
     monkeypatch.setattr(algorithms, "plot_curves", lambda *a, **k: None)
     return calls
 
 
+def test_every_run_starts_from_the_sft_model_with_an_equal_sample_budget(tmp_path, fake_runs):
+    result = algorithms.run(out_dir=tmp_path)
+    assert len(fake_runs) == 5 * 5                                    # 5 algorithms x 5 seeds
+    assert all(f"model.path='{tmp_path / 'sft_model'}'" in o and "sft.steps=0" in o for o in fake_runs.values())
+    samples = {row["samples_per_run"][0] for key, row in result["table"].items() if "samples_per_run" in row}
+    assert samples == {110 * 64}                                      # 100 policy + 10 warm-up steps, 64 each
+    sao, grpo = result["table"]["chain:1:1/sao"], result["table"]["chain:1:1/grpo"]
+    assert sao["final_acc"]["mean"] > grpo["final_acc"]["mean"] and sao["final_acc"]["n"] == 5
+    assert result["table"]["chain:1:1/sft_start"]["runs"] == 25
+    diffs = result["comparisons"]["chain:1:1"]
+    assert diffs["sao-grpo"]["lo"] > 0 and set(diffs) == {f"{a}-{b}" for a, b in algorithms.COMPARISONS}
+
+
 def test_a_task_run_alone_extends_the_previous_result(tmp_path, fake_runs):
-    old = {"table": {"arithmetic/sao": {"final_mean": 0.5, "final_std": 0.1, "auc_mean": 0.3, "auc_std": 0.1,
-                                        "seeds": [1, 2, 3]}},
-           "curves": {"arithmetic": {"sao": [[0.5]]}}, "steps": 60, "warmup": 3, "quick": False, "full": False,
-           "command": "sao bench algorithms", "wall_s": 100.0}
-    (tmp_path / "algorithms.json").write_text(json.dumps(old))
-    result = algorithms.run(out_dir=tmp_path, tasks=["copy"])
-    assert all(name.startswith("copy-") for name in fake_runs) and len(fake_runs) == 15
-    assert result["table"]["arithmetic/sao"] == old["table"]["arithmetic/sao"]
-    assert {k for k in result["table"] if k.startswith("copy/")} == {f"copy/{a}" for a in algorithms.ALGORITHMS}
-    assert result["task_runs"]["arithmetic"]["command"] == "sao bench algorithms"
-    assert result["table"]["copy/grpo"]["samples_per_run"] == [6 * 32]    # 6 steps x batch_size each
-    assert result["task_runs"]["copy"]["command"] == "sao bench algorithms --tasks copy"
-
-
-def test_rows_measured_at_other_sizes_are_not_kept(tmp_path, fake_runs):
-    (tmp_path / "algorithms.json").write_text(json.dumps({"table": {"arithmetic/sao": {}}, "steps": 150, "full": True}))
-    result = algorithms.run(out_dir=tmp_path, tasks=["copy"])
-    assert not any(k.startswith("arithmetic/") for k in result["table"])
+    first = algorithms.run(out_dir=tmp_path)
+    (tmp_path / "algorithms.json").write_text(json.dumps(dict(first, quick=False, full=False)))
+    fake_runs.clear()
+    result = algorithms.run(out_dir=tmp_path, tasks=["chain:2:1"])
+    assert fake_runs and all(name.startswith("chain_2_1-") for name in fake_runs)
+    assert result["table"]["chain:1:1/sao"] == first["table"]["chain:1:1/sao"]
+    assert set(result["comparisons"]) == {"chain:1:1", "chain:2:1"}
+    assert result["task_runs"]["chain:2:1"]["command"] == "sao bench algorithms --tasks chain:2:1"
     with pytest.raises(ValueError, match="unknown task"):
         algorithms.run(out_dir=tmp_path, tasks=["chess"])

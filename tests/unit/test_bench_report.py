@@ -79,26 +79,66 @@ def test_a_late_batch_of_the_old_phase_stays_in_the_new_segment_and_never_is_non
     assert switch["steps_in_phase"] == 4 and switch["recovery_steps"] is None and switch["informative"] is True
 
 
-def _signals(final, drop, entropy=0.5):
-    return {"final_reward": final, "max_reward_drop": drop, "entropy_final_over_peak": entropy,
-            "grad_norm_spikes": 0, "steps": 1000}
+def _policy_rows(acc, entropy=None, gap=None):
+    n = len(acc)
+    entropy = entropy or [1.0] * n
+    gap = gap or [0.1] * n
+    return ([{"step": 0, "rollout/accuracy": acc[0]}]      # a critic warm-up step: no policy metrics
+            + [{"step": i + 1, "rollout/accuracy": a, "train/entropy": e, "train/train_rollout_logprob_abs_diff": g,
+                "train/grad_norm": 1.0, "rollout/staleness_mean": 2.0, "rollout/staleness_max": 8}
+               for i, (a, e, g) in enumerate(zip(acc, entropy, gap))])
 
 
-def test_stability_verdict_says_what_the_signals_show():
-    from bench.report_learning import stability_verdict
+def test_collapse_is_a_fall_from_the_peak_an_entropy_collapse_on_wrong_answers_or_a_ratio_divergence():
+    from bench.stability import collapse_signals
 
-    steady = stability_verdict({"results": {"sao": _signals(0.14, 0.03, 0.01), "grpo": _signals(0.18, 0.17)}})
-    assert "SAO's drop is the smallest (0.030)" in steady
-    assert "grpo (0.180) ends above SAO (0.140)" in steady            # gap 0.04 > SAO's own swing 0.03
-    assert "neither confirms nor refutes" not in steady               # grpo dropped more than twice SAO's drop
-    assert "stable, but not improving" in steady                      # SAO's entropy collapsed
-    close = stability_verdict({"results": {"sao": _signals(0.14, 0.03), "grpo": _signals(0.16, 0.17)}})
-    assert "ends above" not in close and "not improving" not in close
-    small = stability_verdict({"results": {"sao": _signals(0.14, 0.06), "grpo": _signals(0.16, 0.08)}})
-    assert "every other drop (grpo 0.080) is within twice SAO's" in small and "neither confirms nor refutes" in small
-    worse = stability_verdict({"results": {"sao": _signals(0.1, 0.2), "grpo": _signals(0.2, 0.05)}})
-    assert "SAO's drop is not the smallest (grpo's is)" in worse
-    assert "These are" not in worse                                   # 1000 steps: the paper's length
+    steady = collapse_signals(_policy_rows([0.4] * 10 + [0.7] * 30))
+    assert not steady["collapsed"] and steady["peak_acc"] == pytest.approx(0.7) and steady["staleness_max"] == 8
+    fell = collapse_signals(_policy_rows([0.4] * 10 + [0.8] * 20 + [0.1] * 20))
+    assert fell["reward_collapse"] and fell["collapsed"] and fell["max_acc_drop"] == pytest.approx(0.7)
+    small = collapse_signals(_policy_rows([0.1] * 20 + [0.16] * 10 + [0.07] * 20))   # below half, but by < 0.1
+    assert not small["reward_collapse"]
+    certain_and_wrong = collapse_signals(_policy_rows([0.4] * 20 + [0.3] * 20, entropy=[1.0] * 20 + [0.05] * 20))
+    assert certain_and_wrong["entropy_collapse"] and not certain_and_wrong["reward_collapse"]
+    certain_and_right = collapse_signals(_policy_rows([0.4] * 20 + [0.9] * 20, entropy=[1.0] * 20 + [0.05] * 20))
+    assert not certain_and_right["collapsed"]                     # converged, not collapsed
+    diverged = collapse_signals(_policy_rows([0.5] * 40, gap=[0.1] * 30 + [0.5] * 10))
+    assert diverged["ratio_divergence"] and diverged["logprob_gap_last_over_first"] == pytest.approx(5.0)
+
+
+def _stability(sao_collapsed: int, grpo_collapsed: int) -> dict:
+    from bench.stats import diff_ci
+
+    def runs(k):
+        return [{"collapsed": i < k, "final_acc": 0.2 if i < k else 0.7} for i in range(5)]
+
+    results = {a: {"runs": runs(k), "collapsed": k} for a, k in (("sao", sao_collapsed), ("grpo", grpo_collapsed))}
+    return {"quick": False, "results": results,
+            "comparisons": {"sao-grpo": diff_ci([r["final_acc"] for r in results["sao"]["runs"]],
+                                                [r["final_acc"] for r in results["grpo"]["runs"]])}}
+
+
+def test_each_claim_gets_the_verdict_its_interval_or_count_gives():
+    from bench.report_claims import claims_section
+
+    diff = {"mean": 0.1, "lo": 0.05, "hi": 0.15, "n": 5}
+    spans = {"mean": 0.01, "lo": -0.02, "hi": 0.04, "n": 5}
+    algos = {"quick": False, "comparisons": {"chain:1:1": {"grpo_dis-grpo": diff, "sao-grpo_dis": spans,
+                                                           "sao-grpo": {"mean": -0.1, "lo": -0.2, "hi": -0.05, "n": 5}}},
+             "table": {"chain:1:1/grpo": {"gain": diff}}}
+    text = claims_section({"algorithms": algos, "stability": _stability(0, 5)})
+    rows = {line.split(" | ")[0].lstrip("| "): line.rstrip(" |").split(" | ")[-1] for line in text.splitlines()
+            if line.startswith("| ") and "claim" not in line}
+    assert rows["RL improves on the SFT model (AIME25: SFT 80.4 -> GRPO 84.2)"] == "supports"
+    assert rows["GRPO+DIS beats GRPO (84.2 -> 93.5)"] == "supports"
+    assert rows["SAO beats GRPO+DIS (93.5 -> 97.3)"] == "cannot tell"
+    assert rows["SAO beats GRPO (84.2 -> 97.3)"] == "refutes"
+    stable = "SAO stays stable (~1000 steps) where vanilla GRPO collapses (~step 160)"
+    assert rows[stable] == "supports" and "p = 0.01" in text
+    assert f"{stable} | " in claims_section({"stability": _stability(1, 3)}) and \
+        claims_section({"stability": _stability(1, 3)}).rstrip().count("cannot tell") >= 1
+    assert "| refutes |" in claims_section({"stability": _stability(5, 0)})
+    assert claims_section({"algorithms": dict(algos, quick=True)}) == ""     # a smoke run makes no claim
 
 
 def test_online_phase_levels_average_each_phase_over_seeds():

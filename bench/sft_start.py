@@ -1,0 +1,60 @@
+"""The SFT start the learning benchmarks train from, as the SAO paper's RL starts from an SFT model.
+
+`sao sft recipes/tiny_sft_sao_cpu.toml` (the demo's SFT: the tiny Qwen3-MoE, random init, then
+`sft.steps` steps of cross-entropy on chain:1:1's reference answers) is run once per out dir; every
+RL run of `sao bench algorithms|stability|online` then starts from that one model, so the methods
+differ only in what RL does after it. A model whose marker matches is reused (an earlier benchmark of
+the same `sao bench all` made it).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.training_runs import SFT_DEMO, run_env
+
+TASK = "chain:1:1"   # the demo's task: one-digit a+b / a-b, answers 0-18
+
+
+def sft_start(out_dir: Path, quick: bool = False, timeout_s: float = 3600.0) -> Path:
+    """The SFT model directory under out_dir/sft_start (made here when missing or stale)."""
+    root = Path(out_dir).resolve() / "sft_start"
+    root.mkdir(parents=True, exist_ok=True)
+    model = root / "model"
+    steps = 2 if quick else _recipe_sft_steps()
+    marker = model / "sao_sft.json"
+    if marker.is_file() and json.loads(marker.read_text()).get("sft", {}).get("steps") == steps:
+        return model                      # made by an earlier benchmark of this out dir
+    cmd = [sys.executable, "-m", "sao_megatron.cli.main", "sft", str(SFT_DEMO), "run.name='sft-start'",
+           f"run.output_dir='{root}'", f"model.path='{root / 'base'}'", f"sft.output='{model}'",
+           "logging.wandb=false", "logging.console=false", "logging.plot=false", "run.seed=1"]
+    cmd += [f"sft.steps={steps}"]
+    log = root / "sft.log"
+    with log.open("w") as fh:
+        proc = subprocess.run(cmd, cwd=root, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s, env=run_env())
+    if proc.returncode != 0 or not (model / "config.json").is_file():
+        tail = "\n".join(log.read_text().splitlines()[-20:])
+        raise RuntimeError(f"the SFT start failed (exit {proc.returncode}); log {log}:\n{tail}")
+    return model
+
+
+def _recipe_sft_steps() -> int:
+    import tomllib
+
+    return int(tomllib.loads(SFT_DEMO.read_text())["sft"]["steps"])
+
+
+def sft_info(model: Path) -> dict:
+    """What the start model was trained with (its marker), for the report."""
+    marker = model / "sao_sft.json"
+    info = json.loads(marker.read_text()) if marker.is_file() else {}
+    sft = info.get("sft", {})
+    return {"recipe": str(SFT_DEMO.relative_to(SFT_DEMO.parents[1])), "sft_steps": sft.get("steps"),
+            "sft_lr": sft.get("lr"), "sft_batch_size": sft.get("batch_size"), "task": TASK}
+
+
+def from_sft(model: Path) -> list[str]:
+    """Overrides that make `sao train` on the demo recipe start RL from the SFT model."""
+    return [f"model.path='{model}'", "model.init_preset=''", "sft.steps=0"]
