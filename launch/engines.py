@@ -70,10 +70,12 @@ def engine_command(recipe, slot: EngineSlot, head_host: str = "$HEAD_HOST") -> l
     """argv of one engine process, without the API key (`ps` shows argv): `sao serve` reads $SAO_API_KEY,
     SGLang reads the --config file $SAO_ENGINE_OPTIONS that the node script writes from it."""
     python = recipe.launch.python
+    model_path = recipe.rollout.engine_model_path or recipe.model.path   # a block-FP8 one for SGLang FP8
     if recipe.rollout.engine == "reference":
-        return [python, "-m", "sao_megatron.cli.main", "serve", "--model", recipe.model.path, "--host", "$ENGINE_HOST",
+        fp8 = ["--quantization", "fp8"] if recipe.rollout.engine_fp8 else []   # FP8 blocks in, as SGLang's
+        return [python, "-m", "sao_megatron.cli.main", "serve", "--model", model_path, "--host", "$ENGINE_HOST",
                 "--port", str(slot.port), "--seed", str(recipe.run.seed + slot.engine),
-                "--tp", str(recipe.rollout.engine_tp)]   # weight-update ranks, as the trainer counts them
+                "--tp", str(recipe.rollout.engine_tp)] + fp8   # weight-update ranks, as the trainer counts them
     from rollout.sglang_launcher import SGLangArgs, build_sglang_command
 
     roll = recipe.rollout
@@ -81,7 +83,7 @@ def engine_command(recipe, slot: EngineSlot, head_host: str = "$HEAD_HOST") -> l
     if slot.nnodes > 1:
         extra = ("--nnodes", str(slot.nnodes), "--node-rank", str(slot.node_rank),
                  "--dist-init-addr", f"{head_host}:{DIST_INIT_PORT + slot.engine}")
-    args = SGLangArgs(model_path=recipe.model.path, host="$ENGINE_HOST", port=slot.port, api_key_config=_OPTIONS_MARK,
+    args = SGLangArgs(model_path=model_path, host="$ENGINE_HOST", port=slot.port, api_key_config=_OPTIONS_MARK,
                       tp=roll.engine_tp, ep=roll.engine_ep, dp_attention=roll.engine_dp_attention,
                       fp8=roll.engine_fp8, mem_fraction=roll.mem_fraction, base_gpu_id=slot.base_gpu,
                       seed=recipe.run.seed + slot.engine, extra=extra)

@@ -70,6 +70,11 @@ def build_sglang_command(a: SGLangArgs, python: str = sys.executable) -> list[st
     if a.dp_attention:
         cmd += ["--attn-dp-size", str(a.dp_attention)]
     if a.fp8:
+        # model_path is then a block-FP8 checkpoint (rollout.engine_model_path, checked by
+        # trainer/engines.py): its quantization_config makes Fp8Config fp8-serialized with 128x128 blocks
+        # (fp8.py:316-374) and the flag must agree with it (configs/model_config.py:2105-2140 raises
+        # otherwise). On a bf16 checkpoint the flag would quantize per channel at load, replacing the
+        # parameters updates load into (fp8.py:1156-1162).
         cmd += ["--quantization", "fp8"]
     if a.api_key and not a.api_key_config:
         raise ValueError("an SGLang api key travels in a --config file, not the command line; "
@@ -83,7 +88,7 @@ def build_sglang_command(a: SGLangArgs, python: str = sys.executable) -> list[st
 
 def args_from_recipe(recipe, index: int, port: int, api_key: str) -> SGLangArgs:
     r = recipe.rollout
-    return SGLangArgs(model_path=str(recipe.model.path), host=r.host, port=port, api_key=api_key,
+    return SGLangArgs(model_path=r.engine_model_path or str(recipe.model.path), host=r.host, port=port, api_key=api_key,
                       tp=r.engine_tp, ep=r.engine_ep, dp_attention=r.engine_dp_attention, fp8=r.engine_fp8,
                       mem_fraction=r.mem_fraction, base_gpu_id=index * r.engine_tp,
                       seed=getattr(recipe.run, "seed", None))

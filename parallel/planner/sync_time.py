@@ -15,18 +15,33 @@ miles' does). Stages gather one after the other (ours: per-stage senders send in
 `stage_parallel_gather` (slime/miles gather every stage at once). Fixed costs: BUCKET_OVERHEAD_S per
 bucket a sender sends (HTTP call, CUDA sync) and PER_TENSOR_S per tensor an engine rank loads (one
 Python weight_loader call; a broadcast rank loads every tensor, a sharded rank only its own).
+Bytes on the wire: bf16, or with rollout.engine_fp8 FP8 blocks + float32 block scales for every weight
+but the embedding and head (model_sent_bytes); the gather before it moves bf16 either way.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
 
-from ..model_shapes import all_layers, count_parameters, is_mla, num_experts
+from ..model_shapes import all_layers, count_parameters, embedding_params, head_params, is_mla, num_experts
 from .engine import engine_memory
 from .hardware import BUCKET_OVERHEAD_S, LINK_EFF, PER_TENSOR_S, GpuSpec, gpu_spec
 
 TRANSPORTS = ("broadcast", "sharded")
-SENT_BYTES = 2  # the sender sends the trainer's bf16 weights; SGLang quantizes FP8 engines itself
+SENT_BYTES = 2  # the trainer's bf16 weights: what it gathers, and what it sends a bf16 engine
+# An FP8 engine (rollout.engine_fp8) is sent float8 128x128 blocks plus one float32 scale per block
+# (rollout/weights/fp8_blocks.py) for every weight but the embedding and head; the gather stays bf16.
+FP8_SENT_BYTES = 1 + 4 / (128 * 128)
+
+
+def model_sent_bytes(cfg: dict, fp8: bool) -> float:
+    """Bytes of one copy of the model on the wire: bf16, or FP8 blocks + scales with bf16 embedding/head
+    (norms and routers counted as FP8 too: a rounding error, as in the engine's memory)."""
+    total = count_parameters(cfg).total
+    if not fp8:
+        return total * SENT_BYTES
+    vocab = embedding_params(cfg) + head_params(cfg)
+    return vocab * SENT_BYTES + (total - vocab) * FP8_SENT_BYTES
 
 
 @dataclass(frozen=True)
@@ -49,10 +64,13 @@ def _link(spec: GpuSpec, crosses_nodes: bool) -> float:
 
 
 def engine_gpu_bytes(inp) -> float:
-    """Bytes one engine GPU holds at the sent dtype (bf16): its expert slice plus its attention-TP
-    slice of everything else (whole under dp-attention)."""
+    """Bytes one engine GPU receives: its expert slice plus its attention-TP slice of everything else
+    (whole under dp-attention), in bf16, or with engine_fp8 as the engine holds them (FP8 linear
+    weights) plus their block scales (an upper bound: the scales counted on every byte)."""
     cap = 1e30  # capacity is irrelevant here; only the weights are read
-    return engine_memory(inp.cfg, replace(inp.engine, fp8_weights=False), cap).weights * SENT_BYTES / 2
+    fp8 = inp.engine.fp8_weights
+    weights = engine_memory(inp.cfg, replace(inp.engine, fp8_weights=fp8), cap).weights
+    return weights * FP8_SENT_BYTES if fp8 else weights
 
 
 def hf_tensor_counts(cfg: dict) -> tuple[int, int]:
@@ -91,7 +109,7 @@ def sync_time(inp, transport: str = "broadcast", bucket_bytes: float = 2 ** 30, 
     per_node = max(inp.gpus_per_node, 1)
     crosses = inp.rollout_gpus > 0 or engine_gpus > per_node or inp.engine.tp > per_node
     link = _link(spec, crosses)
-    model_bytes = count_parameters(inp.cfg).total * SENT_BYTES
+    model_bytes = model_sent_bytes(inp.cfg, inp.engine.fp8_weights)
     per_gpu = engine_gpu_bytes(inp)
     if transport == "broadcast":
         senders, wire = 1, model_bytes / link

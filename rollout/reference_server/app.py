@@ -101,7 +101,7 @@ async def sao_server_info(state: ServerState, request: web.Request) -> web.Respo
         "num_layers": runner.num_layers, "num_moe_layers": runner.num_moe_layers, "moe_topk": runner.top_k,
         "moe_layer_ids": runner.router_layers, "max_context": runner.max_context, "max_batch": runner.max_batch,
         "dtype": str(runner.dtype).replace("torch.", ""), "device": str(runner.device), "tp": state.tp_ranks.tp,
-        "status": state.status, "weight_update_session": state.session,
+        "quantization": getattr(state, "quantization", "") or None, "status": state.status, "weight_update_session": state.session,
         "scheduler": {**state.scheduler.stats(), "paused": state.gate.paused,
                       "scheduler_paused": state.scheduler.paused, "held_by_pause": state.gate.held},
     })

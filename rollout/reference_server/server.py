@@ -32,6 +32,7 @@ class ServeOptions:
     device: str = "cpu"              # where the model runs: cpu, cuda or cuda:N (the GPU check kit)
     tp: int = 1                      # TP ranks that join the weight-update group (tp_ranks.py)
     shard_writes: bool = False       # opt-in: each TP rank receives only its slice (shard_writes.py)
+    quantization: str = ""           # "fp8": serve as SGLang serves a block-FP8 model (fp8_weights.py)
     weight_version: int = 0
     weight_sync_timeout_s: float = 600.0
     seed: int | None = None          # base sampling seed for requests without sampling_seed
@@ -65,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also accept shard writes: each TP rank joins its trainer sender's group and receives "
                              "only its own slice (NOT an SGLang route: SGLang does this only through its Mooncake "
                              "transfer engine; docs/weights.md)")
+    parser.add_argument("--quantization", default="", choices=["", "fp8"],
+                        help="fp8: behave as SGLang serving a block-FP8 (128x128) model: the linear weights are "
+                             "served as their FP8 blocks, and updates must bring them as float8_e4m3fn with "
+                             "<name>_scale_inv (a bf16 tensor for such a weight is refused naming it)")
     parser.add_argument("--weight-version", type=int, default=0, help="version of the weights loaded at start")
     parser.add_argument("--weight-sync-timeout-s", type=float, default=600.0,
                         help="timeout of weight-group formation and of each broadcast receive")
@@ -78,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
     return ServeOptions(model=args.model, host=args.host, port=args.port, api_key=args.api_key,
                         max_batch=args.max_batch, max_context=args.max_context, dtype=args.dtype,
-                        device=args.device, tp=args.tp, shard_writes=args.shard_writes,
+                        device=args.device, tp=args.tp, shard_writes=args.shard_writes, quantization=args.quantization,
                         weight_version=args.weight_version, weight_sync_timeout_s=args.weight_sync_timeout_s,
                         seed=args.seed, threads=args.threads, port_file=args.port_file,
                         parent_pid=args.parent_pid, insecure=args.insecure)
@@ -97,6 +102,9 @@ def check_options(opts: ServeOptions) -> None:
         raise ValueError(f"--weight-sync-timeout-s {opts.weight_sync_timeout_s} must be a positive number of seconds")
     _check_address(opts.host, opts.port)
     _check_device(opts.device)
+    if opts.quantization == "fp8" and opts.shard_writes:
+        raise ValueError("--quantization fp8 with --shard-writes: shard writes do not slice FP8 blocks and their "
+                         "scales per rank; drop one of them")
     if opts.tp < 1:
         raise ValueError(f"--tp {opts.tp} < 1; use 1 or more")
     if opts.tp > 1 and opts.device != "cpu":
@@ -178,6 +186,13 @@ def build_state(opts: ServeOptions):
     state = ServerState(scheduler, tokenizer, opts.api_key, opts.weight_sync_timeout_s, tp=opts.tp,
                         insecure=opts.insecure)
     state.shard_writes = opts.shard_writes   # opt-in routes of shard_writes.py
+    state.quantization = opts.quantization
+    if opts.quantization == "fp8":
+        from .fp8_weights import Fp8WeightMap, layout_for_model
+
+        state.weights = Fp8WeightMap(state.weights, layout_for_model(
+            opts.model, json.loads((Path(opts.model) / "config.json").read_text())))
+        log.info("--quantization fp8: %d weights served as 128x128 FP8 blocks", state.weights.quantize_served())
     return state
 
 

@@ -71,7 +71,11 @@ def receive_tensors(names: list[str], dtypes: list[torch.dtype], shapes: list[li
         out = []
         for name, dtype, shape in zip(names, dtypes, shapes):
             tensor = torch.empty(shape, dtype=dtype, device=device)
-            _broadcast(tensor, group, f"tensor {name!r}")
+            # gloo refuses float8 tensors ("Invalid scalar type"): an FP8 tensor travels as its bytes, so a
+            # gloo sender must broadcast t.view(torch.uint8) too; nccl (SGLang's path) takes float8 as is
+            wire = tensor.view(torch.uint8) if tensor.element_size() == 1 and tensor.is_floating_point() \
+                and dist.get_backend(group) == "gloo" else tensor
+            _broadcast(wire, group, f"tensor {name!r}")
             out.append((name, tensor))
         return out
     sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for dtype, shape in zip(dtypes, shapes)]

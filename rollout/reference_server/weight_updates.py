@@ -218,9 +218,10 @@ def _receive_all(state, names, dtypes, shapes, group_name, load_format):
 async def _load(state, tensors, version: Optional[int], flush: bool, success: str) -> web.Response:
     """Validate every tensor, then write them, set the version, and ask for the flush (SGLang's order)."""
     def load():
-        for name, tensor in tensors:
+        staged = state.weights.prepare(tensors)   # --quantization fp8: FP8 pairs -> model dtype, or refused
+        for name, tensor in staged:
             state.weights.check(name, tensor.dtype, list(tensor.shape))
-        for name, tensor in tensors:
+        for name, tensor in staged:
             state.weights.load(name, tensor)
         if version is not None:
             state.scheduler.version = version

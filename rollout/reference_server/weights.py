@@ -59,6 +59,10 @@ class WeightMap:
                              "send weights in the dtype the server runs (see /sao_server_info dtype)")
         target.copy_(tensor)
 
+    def prepare(self, tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """One update call's tensors as they are written (an FP8 server dequantizes here: fp8_weights.py)."""
+        return tensors
+
     def check(self, name: str, dtype: torch.dtype, shape: list[int]) -> None:
         """Validate a name/dtype/shape triple before any bytes arrive."""
         target = self.resolve(name)

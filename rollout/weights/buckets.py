@@ -23,6 +23,8 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+from .fp8_blocks import SCALE_SUFFIX
+
 
 @dataclass
 class Bucket:
@@ -90,11 +92,15 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
-    """Group a stream into aligned buckets of at most `bucket_bytes` (a larger tensor travels alone)."""
+    """Group a stream into aligned buckets of at most `bucket_bytes` (a larger tensor travels alone).
+    An FP8 scale (`..._scale_inv`, fp8_blocks.py) never starts a bucket: it rides with the weight just
+    before it (one scale past the bound), so one update call loads both; SGLang's DeepSeek loader
+    re-derives MLA's w_kc/w_vc from kv_b_proj's weight and scale in the call that loads them
+    (models/deepseek_common/deepseek_weight_loader.py:550, :586-661)."""
     current = Bucket([], [])
     for name, tensor in named_tensors:
         size = tensor.numel() * tensor.element_size()
-        if current.names and current.nbytes + size > bucket_bytes:
+        if current.names and current.nbytes + size > bucket_bytes and not name.endswith(SCALE_SUFFIX):
             yield current.aligned()
             current = Bucket([], [])
         current.add(name, tensor)

@@ -7,6 +7,11 @@ Seam: `WeightSync.push(named_tensors, version)` (async), built by `build_weight_
   the engines' /update_weights_from_distributed calls run concurrently with the sender's broadcast.
   nccl with CUDA, gloo otherwise.
 - DiskWeightSync: write HF safetensors shards, then /update_weights_from_disk on every engine.
+- FP8 engines (rollout.engine_fp8, `fp8=Fp8Layout`): the tensors the engine holds in FP8 go as
+  float8_e4m3fn 128x128 blocks followed by their float32 `<name>_scale_inv` (fp8_blocks.py), every
+  other tensor as exported; a scale stays next to its weight in the stream and in one bucket. Over
+  gloo they travel inside the flattened uint8 payload (gloo's broadcast refuses float8 tensors:
+  "Invalid scalar type"); SGLang's receiver views its bucket as float8 (weight_sync/tensor_bucket.py).
 
 The update window (docs/weights.md) has one owner, the driver rank of the trainer
 (sao_megatron/trainer/weight_updates.py): the rollout driver pauses the engines (RolloutDriver.weight_update),
@@ -44,6 +49,7 @@ from sao_megatron.core.backends import resolve_backend
 from sao_megatron.core.ports import free_port
 
 from .buckets import Bucket, broadcast_flat, create_sender_group, iter_buckets
+from .fp8_blocks import SCALE_SUFFIX, Fp8Layout, quantize_stream
 from .calls import in_daemon_thread, payload_device, pinned, run_all, step_error
 from .receiver import WeightReceiver
 
@@ -113,7 +119,7 @@ def non_expert_first(named: Iterable[tuple[str, torch.Tensor]], max_held_bytes: 
             yield name, tensor
             continue
         size = tensor.numel() * tensor.element_size()
-        if held and held_bytes + size > max_held_bytes:
+        if held and held_bytes + size > max_held_bytes and not name.endswith(SCALE_SUFFIX):   # a scale stays with its weight
             yield from held
             held, held_bytes = [], 0
         held.append((name, tensor))
@@ -144,20 +150,24 @@ async def settle_caches(engines: list[Generator], version: int, flush: bool, tim
 
 
 class _EngineSync(WeightSync):
-    """What both transports share: the engines, the liveness check, the dtype cast; `_transfer` differs.
-    The caller holds the update window (pause, session, settle, continue) around `push`."""
+    """What both transports share: the engines, the liveness check, the dtype cast and, for FP8 engines
+    (`fp8`: rollout.engine_fp8), the block-FP8 quantization of the tensors they hold in FP8
+    (fp8_blocks.py); `_transfer` differs. The caller holds the update window (pause, session, settle,
+    continue) around `push`."""
 
-    def __init__(self, cfg, engines: list[WeightReceiver], dtype: Optional[torch.dtype] = None):
+    def __init__(self, cfg, engines: list[WeightReceiver], dtype: Optional[torch.dtype] = None,
+                 fp8: Optional[Fp8Layout] = None):
         if not engines:
             raise ValueError("weight_sync: no engines to update; fix: start engines or set rollout.engine_urls")
-        self.cfg, self.engines, self.dtype = cfg, list(engines), dtype
+        self.cfg, self.engines, self.dtype, self.fp8 = cfg, list(engines), dtype, fp8
 
     def _each(self, fn) -> dict[str, asyncio.Future]:
         return {f"engine {e.name}": fn(e) for e in self.engines}
 
     async def push(self, named_tensors, version: int) -> None:
         await run_all(self._each(_require_reachable), "liveness check (/model_info)", self.cfg.timeout_s)
-        await self._transfer(_cast(named_tensors, self.dtype), version)
+        named = _cast(named_tensors, self.dtype)
+        await self._transfer(named if self.fp8 is None else quantize_stream(named, self.fp8), version)
 
     @abc.abstractmethod
     async def _transfer(self, named_tensors, version: int) -> None: ...
@@ -192,8 +202,9 @@ class _SessionSync(_EngineSync):
 
 class BroadcastWeightSync(_SessionSync):
     def __init__(self, cfg, engines: list[WeightReceiver], *, ranks_per_engine: int | Sequence[int] = 1,
-                 master_address: Optional[str] = None, stage: int = 0, dtype: Optional[torch.dtype] = None):
-        super().__init__(cfg, engines, dtype)
+                 master_address: Optional[str] = None, stage: int = 0, dtype: Optional[torch.dtype] = None,
+                 fp8: Optional[Fp8Layout] = None):
+        super().__init__(cfg, engines, dtype, fp8)
         self.engine_ranks, self.stage = _engine_ranks(ranks_per_engine, len(self.engines)), stage
         self.master_address = master_address or sender_address(self.engines)
         if cfg.backend == "nccl" and not torch.cuda.is_available():
@@ -307,8 +318,9 @@ class DiskWeightSync(_EngineSync):
     loaded weights a second time); flush_cache=False, the window settles the cache."""
 
     def __init__(self, cfg, engines: list[WeightReceiver], disk_dir: str | Path, *,
-                 aux_from: str | Path | None = None, dtype: Optional[torch.dtype] = None, keep: int = 1):
-        super().__init__(cfg, engines, dtype)
+                 aux_from: str | Path | None = None, dtype: Optional[torch.dtype] = None, keep: int = 1,
+                 fp8: Optional[Fp8Layout] = None):
+        super().__init__(cfg, engines, dtype, fp8)
         self.disk_dir, self.aux_from, self.keep = Path(disk_dir), aux_from, keep
 
     async def _transfer(self, named_tensors, version: int) -> None:
@@ -334,6 +346,9 @@ def build_weight_sync(cfg, engines: list[WeightReceiver], run_dir: str | Path | 
         from .sharded import ShardWriteSync
 
         kwargs.pop("stage", None)   # every rank's export is whole here (senders = "driver")
+        if kwargs.pop("fp8", None) is not None:   # the recipe check refuses it first (trainer/engines.py)
+            raise ValueError("weight_sync.method = 'shard_writes' does not slice FP8 blocks and their scales per "
+                             "rank; fix: use weight_sync.method = 'broadcast' with rollout.engine_fp8")
         return ShardWriteSync(cfg, engines, ranks_per_engine=ranks_per_engine, **kwargs)
     if cfg.method == "disk":
         disk_dir = cfg.disk_dir or (Path(run_dir) / "weights" if run_dir is not None else "")

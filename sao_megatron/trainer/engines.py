@@ -33,19 +33,72 @@ async def start_engines(recipe: Recipe, run_dir: Path):
     return engines, handles
 
 
+# model_types whose SGLang 0.5.23 loader we read for block-FP8 updates: Qwen3MoeForCausalLM and
+# Glm4MoeForCausalLM (stacked and FusedMoE expert mappings route `<name>_scale_inv` like the weight:
+# models/qwen3_moe.py:1157-, models/glm4_moe.py:1071-), GLM-5 / DeepSeek-V3 (DeepSeek weight loader,
+# which re-derives MLA's w_kc/w_vc from kv_b_proj's FP8 weight and scale after each load:
+# models/deepseek_common/deepseek_weight_loader.py:550, :586-661)
+FP8_MODEL_TYPES = ("qwen3_moe", "glm4_moe", "glm_moe_dsa", "deepseek_v3")
+
+
+def engine_model_path(recipe: Recipe) -> str:
+    """The checkpoint the engines load: rollout.engine_model_path, else model.path."""
+    return recipe.rollout.engine_model_path or str(recipe.model.path)
+
+
 def check_engine_can_take_updates(recipe: Recipe) -> None:
-    """An FP8 SGLang engine cannot load our bf16 weight updates (SGLang 0.5.23, model_loader/loader.py):
-    it re-quantizes reloaded bf16 weights only through the flash_rl loader, which accepts the
-    Qwen2ForCausalLM and Qwen3ForCausalLM native loaders alone, and Fp8LinearMethod has no
-    restore_weights_before_loading, so a distributed, tensor or disk update would write bf16 values into
-    FP8 parameters. Refused on every rank before any engine or model starts."""
+    """An FP8 engine takes our updates only as 128x128 FP8 blocks with their scales (rollout/weights/
+    fp8_blocks.py), so with rollout.engine_fp8: broadcast or disk sync (shard writes do not slice
+    blocks per rank) and, for SGLang, a block-FP8 checkpoint of a family whose loader we read. SGLang
+    given a bf16 checkpoint with --quantization fp8 quantizes it per channel at load and replaces the
+    parameters (layers/quantization/fp8.py:1156-1162, :2617-2641), so no update could land in them.
+    Refused on every rank before any engine or model starts, naming the field."""
     from sao_megatron.core.config import ConfigError
 
-    if recipe.rollout.engine_fp8 and recipe.rollout.engine == "sglang":
-        raise ConfigError("rollout.engine_fp8", "an FP8 SGLang engine cannot take this trainer's bf16 weight "
-                          "updates (SGLang 0.5.23 re-quantizes reloads only for Qwen2/Qwen3 dense models via "
-                          "flash_rl; docs/cluster.md)",
-                          "set rollout.engine_fp8 = false (bf16 engine weights)")
+    rollout = recipe.rollout
+    if not rollout.engine_fp8:
+        return
+    if recipe.weight_sync.method == "shard_writes":
+        raise ConfigError("weight_sync.method", "shard writes do not slice FP8 blocks and their scales per engine "
+                          "rank (rollout.engine_fp8 = true)", "use weight_sync.method = 'broadcast'")
+    if rollout.engine != "sglang":
+        return   # the reference server serves the block-FP8 version of model.path (--quantization fp8)
+    _check_block_fp8_checkpoint(engine_model_path(recipe))
+
+
+def _check_block_fp8_checkpoint(path: str) -> None:
+    from rollout.weights.fp8_blocks import layout_from_model_dir
+    from sao_megatron.core.config import ConfigError
+
+    field = "rollout.engine_model_path"
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise ConfigError(field, f"{config_path} does not exist; an FP8 SGLang engine needs its block-FP8 "
+                          "checkpoint here to check", "set rollout.engine_model_path to that checkpoint")
+    try:
+        layout_from_model_dir(path)
+    except ValueError as err:
+        raise ConfigError(field, str(err), "set rollout.engine_model_path to a block-FP8 checkpoint of the model "
+                          "(quantization_config quant_method fp8, weight_block_size [128, 128])") from None
+    model_type = json.loads(config_path.read_text()).get("model_type", "")
+    if model_type not in FP8_MODEL_TYPES:
+        raise ConfigError(field, f"model_type {model_type!r}: its SGLang loader was not checked for FP8 updates "
+                          f"(checked: {', '.join(FP8_MODEL_TYPES)})", "set rollout.engine_fp8 = false")
+
+
+def engine_fp8_layout(recipe: Recipe):
+    """The Fp8Layout weight sync quantizes for (None without rollout.engine_fp8): the SGLang engines'
+    checkpoint's, or the one the reference server derives from model.path."""
+    if not recipe.rollout.engine_fp8:
+        return None
+    from rollout.weights.fp8_blocks import layout_from_model_dir
+
+    if recipe.rollout.engine == "sglang":
+        return layout_from_model_dir(engine_model_path(recipe))
+    from rollout.reference_server.fp8_weights import layout_for_model
+
+    path = engine_model_path(recipe)
+    return layout_for_model(path, json.loads((Path(path) / "config.json").read_text()))
 
 
 def engine_clients(recipe: Recipe, urls: list[str], api_key: str) -> list:
@@ -70,7 +123,9 @@ def _launch_engine(recipe: Recipe, index: int, api_key: str, run_dir: Path, port
         extra = ["--tp", str(rollout.engine_tp)] if rollout.engine_tp > 1 else []
         if recipe.weight_sync.method == "shard_writes":
             extra.append("--shard-writes")   # the opt-in stand-in for per-rank writes (shard_writes.py)
-        return launch_local(Path(recipe.model.path).resolve(), host=rollout.host, port=port, api_key=api_key,
+        if rollout.engine_fp8:
+            extra += ["--quantization", "fp8"]   # serves block-FP8 weights, takes only FP8 updates for them
+        return launch_local(Path(engine_model_path(recipe)).resolve(), host=rollout.host, port=port, api_key=api_key,
                             log_path=run_dir / f"engine{index}.log", seed=recipe.run.seed + index,
                             extra_args=extra or None)
     from rollout.sglang_launcher import launch_sglang

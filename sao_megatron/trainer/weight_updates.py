@@ -32,6 +32,9 @@ class WeightUpdates:
         self.restarts = None                 # engine_restarts.EngineRestarts on the driver rank, if any
         self.rank, self.world_size, self.is_driver = rank, world_size, rank == 0
         self.restarts_seen = 0               # engine restarts this rank's sender has formed its group after
+        from .engines import engine_fp8_layout
+
+        self.fp8_layout = engine_fp8_layout(recipe)   # None unless rollout.engine_fp8 (check_equal's trainer side)
 
     async def sync(self, version: int) -> dict:
         """Broadcast the new policy weights to every engine under `version`, engines paused meanwhile."""
@@ -124,7 +127,12 @@ class WeightUpdates:
         if self.recipe.weight_sync.check_equal:
             from rollout.weights import check_weight_update_equal
 
-            await check_weight_update_equal(self.engines if self.is_driver else [], self.policy.export_hf())
+            named = self.policy.export_hf()
+            if self.fp8_layout is not None:   # an FP8 engine serves each FP8 weight as its dequantized blocks
+                from rollout.weights.fp8_blocks import round_trip_stream
+
+                named = round_trip_stream(named, self.fp8_layout)
+            await check_weight_update_equal(self.engines if self.is_driver else [], named)
 
     async def _push_turn(self, named, version: int) -> None:
         """One turn: the senders send `named` (None: not this rank's turn), every rank of the turn
@@ -179,7 +187,11 @@ def new_weight_sync(recipe: Recipe, engines: list, stage: int):
     """A sender to every engine; the driver rank owns the update window (the push never pauses)."""
     from rollout.weights import build_weight_sync
 
+    from .engines import engine_fp8_layout
+
     extra = {"aux_from": recipe.model.path} if recipe.weight_sync.method == "disk" else {"stage": stage}
+    if recipe.rollout.engine_fp8:   # FP8 engines take 128x128 FP8 blocks + scales (rollout/weights/fp8_blocks.py)
+        extra["fp8"] = engine_fp8_layout(recipe)
     return build_weight_sync(recipe.weight_sync, engines, run_dir=recipe.run_dir,
                              ranks_per_engine=recipe.rollout.engine_tp, **extra)
 

@@ -126,16 +126,25 @@ def test_async_step_overlaps_rollout_and_train_and_colocated_does_not():
 # --- weight sync -----------------------------------------------------------------------------------------
 
 def test_broadcast_and_sharded_wire_by_hand_for_the_750b_recipe():
+    """The recipe's FP8 engine is sent FP8 blocks + one fp32 scale per 128x128 block for all but the
+    embedding and head (bf16); the same engine in bf16 is sent 2 bytes per parameter."""
     inp = _recipe_input("glm5_750b_a40b.toml")
+    assert inp.engine.fp8_weights
     link = 400e9 / 8 * LINK_EFF
-    model = count_parameters(inp.cfg).total * 2
+    counts, vocab = count_parameters(inp.cfg), embedding_params(inp.cfg) + head_params(inp.cfg)
+    model = vocab * 2 + (counts.total - vocab) * (1 + 4 / 128 ** 2)
     broadcast = sync_time(inp, "broadcast")
     assert broadcast.wire == pytest.approx(model / link) and broadcast.senders == 1
-    per_gpu = engine_memory(inp.cfg, replace(inp.engine, fp8_weights=False), 1e30).weights
+    per_gpu = engine_memory(inp.cfg, inp.engine, 1e30).weights * (1 + 4 / 128 ** 2)
     sharded = sync_time(inp, "sharded")
     senders = inp.layout.pp * inp.layout.ep
     assert sharded.senders == senders
     assert sharded.wire == pytest.approx(max(per_gpu / link, per_gpu * 64 / (senders * link)))
+    bf16 = replace(inp, engine=replace(inp.engine, fp8_weights=False))
+    assert sync_time(bf16, "broadcast").wire == pytest.approx(counts.total * 2 / link)
+    bf16_gpu = engine_memory(inp.cfg, bf16.engine, 1e30).weights
+    assert sync_time(bf16, "sharded").bytes_per_engine_gpu == pytest.approx(bf16_gpu)
+    assert sync_time(bf16, "broadcast").gather == broadcast.gather   # the gather is bf16 either way
 
 
 def test_750b_sharded_sync_is_near_the_2s_goal_and_broadcast_near_a_minute_or_more():
@@ -143,7 +152,8 @@ def test_750b_sharded_sync_is_near_the_2s_goal_and_broadcast_near_a_minute_or_mo
     broadcast, sharded = (sync_time(inp, t, inp.bucket_bytes).total for t in ("broadcast", "sharded"))
     assert 40 < broadcast < 120 and sharded < 2.5 and broadcast / sharded > 30
     one_sender = sync_time(inp, "sharded", inp.bucket_bytes, senders=1).total
-    assert one_sender > broadcast          # 64 replicas of the dense part through one NIC: senders must be parallel
+    # 64 replicas of the dense part through one NIC: more wire than broadcast's one copy, senders must be parallel
+    assert sync_time(inp, "sharded", inp.bucket_bytes, senders=1).wire > sync_time(inp, "broadcast").wire
     assert f"{one_sender:.0f} s" in DOCS
     assert f"{sharded:.1f} s" in DOCS and f"{broadcast:.1f} s" in DOCS
 
