@@ -107,3 +107,28 @@ def test_4_fp8_push_lands_exactly_and_serves_the_trainers_fp8_logprobs(fp8_serve
     result = asyncio.run(generate())
     expected = _hf_logprobs(tiny_model_dir, served_values, [5, 17, 33, 40], result.output_ids)
     assert (torch.tensor(result.output_logprobs) - expected).abs().mean().item() < 1e-5
+
+
+def test_sao_train_with_engine_fp8_sends_fp8_blocks_and_check_equal_holds(tmp_path):
+    """The trainer end to end with rollout.engine_fp8 and a reference engine (started by the trainer with
+    --quantization fp8) and check_equal after every push: two policy updates land as FP8 blocks, each
+    push sending exactly the quantized model's bytes."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "sao_megatron.cli.main", "train", str(repo / "recipes" / "tiny_moe_cpu.toml"),
+           f"run.output_dir='{tmp_path}'", "run.name='fp8'", f"model.path='{tmp_path / 'model'}'",
+           "rollout.batch_size=8", "rollout.max_in_flight=8", "run.num_steps=2", "critic.warmup_steps=1",
+           "rollout.engine_fp8=true", "weight_sync.check_equal=true"]
+    proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "weight version 2" in proc.stdout + proc.stderr
+    assert "weights served as 128x128 FP8 blocks" in (tmp_path / "fp8" / "engine0.log").read_text()
+    rows = [json.loads(line) for line in (tmp_path / "fp8" / "metrics.jsonl").read_text().splitlines() if line]
+    sent = [r["perf/weight_sync_sent_mb"] for r in rows if r.get("perf/weight_sync_sent_mb", 0) > 0]
+    named = list(HFCheckpoint(tmp_path / "model").items())
+    wire = sum(t.numel() * t.element_size() for _, t in quantize_stream(named, LAYOUT)) / 2**20
+    assert len(sent) == 2 and sent == pytest.approx([wire, wire])
