@@ -72,9 +72,9 @@ def build_sglang_command(a: SGLangArgs, python: str = sys.executable) -> list[st
     if a.fp8:
         # model_path is then a block-FP8 checkpoint (rollout.engine_model_path, checked by
         # trainer/engines.py): its quantization_config makes Fp8Config fp8-serialized with 128x128 blocks
-        # (fp8.py:316-374) and the flag must agree with it (configs/model_config.py:2105-2140 raises
+        # (fp8.py:346-386) and the flag must agree with it (configs/model_config.py:2108-2147 raises
         # otherwise). On a bf16 checkpoint the flag would quantize per channel at load, replacing the
-        # parameters updates load into (fp8.py:1156-1162).
+        # parameters updates load into (fp8.py:1160-1176).
         cmd += ["--quantization", "fp8"]
     if a.api_key and not a.api_key_config:
         raise ValueError("an SGLang api key travels in a --config file, not the command line; "

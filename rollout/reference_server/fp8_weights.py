@@ -12,7 +12,7 @@ engine serves in it:
   per block) into the model's dtype, so the model serves exactly what an FP8 engine computes with.
 Refused with a 400 naming the tensor, before anything is written: a FP8-held weight in another dtype
 (real SGLang would `param.data.copy_()` the bf16 values into its float8 parameter without a scale,
-layers/parameter.py, and keep the old scale: wrong weights, no error; that silent failure is why
+layers/parameter.py:145-317, and keep the old scale: wrong weights, no error; that silent failure is why
 we refuse), a FP8 weight without its scale in the same call, a scale of a weight the engine holds
 unquantized, a float8 tensor for a weight that is not FP8-held, and a scale of the wrong shape.
 Keeping float parameters instead of FP8 ones is our choice: torch has no FP8 matmul on CPU, and the

@@ -3,10 +3,10 @@
 SGLang 0.5.23 serving a checkpoint whose config.json carries ``quantization_config = {quant_method:
 "fp8", weight_block_size: [128, 128], ...}`` (GLM-4.5-FP8 re-blocked, GLM-5-FP8, DeepSeek-V3) holds
 each quantized linear layer as ``weight`` float8_e4m3fn [out, in] plus ``weight_scale_inv`` float32
-[ceil(out/128), ceil(in/128)] (layers/quantization/fp8.py:599-648), routed experts as
+[ceil(out/128), ceil(in/128)] (layers/quantization/fp8.py:613-690), routed experts as
 ``experts.w13_weight`` / ``w2_weight`` float8_e4m3fn with ``w13_weight_scale_inv`` /
-``w2_weight_scale_inv`` (fp8.py:1565-1566, :1702-1719). A reload copies whatever arrives into those
-parameters (``param.data.copy_``, layers/parameter.py): bf16 values copied into a float8 parameter
+``w2_weight_scale_inv`` (fp8.py:1566, :1720-1746). A reload copies whatever arrives into those
+parameters (``param.data.copy_``, layers/parameter.py:145-317): bf16 values copied into a float8 parameter
 are cast without a scale, and the old scale stays, so the engine would serve wrong weights. Hence
 the sender quantizes: every tensor the engine holds in FP8 travels as float8_e4m3fn blocks under its
 own name and its scale as ``<name>_scale_inv``, which SGLang's loaders route like the weight
@@ -21,9 +21,9 @@ e4m3; a block's last rows/columns may be short (shapes not divisible by 128). A 
 scale 1.0: any positive scale dequantizes its zeros to zero, and 1.0 keeps the scale finite.
 
 Which tensors are FP8: the linear layers SGLang builds with Fp8LinearMethod / Fp8MoEMethod
-(Fp8Config.get_quant_method, fp8.py:391-472): attention and MLA projections, dense and shared-expert
+(Fp8Config.get_quant_method, fp8.py:389-476): attention and MLA projections, dense and shared-expert
 MLPs, routed experts, unless the checkpoint's ``ignored_layers`` / ``modules_to_not_convert`` lists
-them (fp8.py:346-357, matched as layers/quantization/utils.py:48-124 does). Not FP8: embeddings and
+them (fp8.py:356-364, matched as layers/quantization/utils.py:48-124 does). Not FP8: embeddings and
 the LM head (VocabParallelEmbedding gets no FP8 method: vocab_parallel_embedding.py:302-306), the
 router (GLM-4.5 Glm4MoeGate and DeepSeek MoEGate are plain parameters, glm4_moe.py:381-395,
 deepseek_v2.py:497-518), norms, biases and the router's e_score_correction_bias.
@@ -116,7 +116,7 @@ class Fp8Layout:
 
 def layout_from_quantization_config(config: dict, where: str = "config.json") -> Fp8Layout:
     """The Fp8Layout of a block-FP8 checkpoint's `quantization_config` (as Fp8Config.from_config reads it,
-    fp8.py:316-374). ValueError naming `where` for anything our sender cannot match."""
+    fp8.py:346-386). ValueError naming `where` for anything our sender cannot match."""
     quant = config.get("quantization_config")
     if not isinstance(quant, dict):
         raise ValueError(f"{where} has no quantization_config: SGLang would serve it in bf16 (or, with "
@@ -132,7 +132,7 @@ def layout_from_quantization_config(config: dict, where: str = "config.json") ->
                          "128x128 blocks only (per-tensor/per-channel FP8 checkpoints: re-block them first)")
     ignored = quant.get("ignored_layers") or quant.get("modules_to_not_convert") or []
     names = []
-    for layer in ignored:   # both spellings, as Fp8Config.from_config keeps them (fp8.py:346-357)
+    for layer in ignored:   # both spellings, as Fp8Config.from_config keeps them (fp8.py:356-364)
         base = str(layer).removeprefix("model.")
         names += [base, f"model.{base}"]
     return Fp8Layout(tuple(block), tuple(names))

@@ -51,7 +51,7 @@ def check_engine_can_take_updates(recipe: Recipe) -> None:
     fp8_blocks.py), so with rollout.engine_fp8: broadcast or disk sync (shard writes do not slice
     blocks per rank) and, for SGLang, a block-FP8 checkpoint of a family whose loader we read. SGLang
     given a bf16 checkpoint with --quantization fp8 quantizes it per channel at load and replaces the
-    parameters (layers/quantization/fp8.py:1156-1162, :2617-2641), so no update could land in them.
+    parameters (layers/quantization/fp8.py:1160-1176, :2619-2641), so no update could land in them.
     Refused on every rank before any engine or model starts, naming the field."""
     from sao_megatron.core.config import ConfigError
 
