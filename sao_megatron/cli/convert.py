@@ -1,4 +1,6 @@
-"""`sao convert hf-to-mcore HF_DIR OUT_DIR --tp --ep --pp --vpp` and `sao convert mcore-to-hf MCORE_DIR OUT_DIR`.
+"""`sao convert hf-to-mcore HF_DIR OUT_DIR --tp --ep --pp --vpp`, `sao convert mcore-to-hf MCORE_DIR OUT_DIR`
+and `sao convert hf-to-fp8 HF_DIR OUT_DIR` (the block-FP8 checkpoint FP8 engines load:
+rollout/weights/fp8_checkpoint.py).
 
 Offline conversion between an HF safetensors directory and per-rank Megatron (local spec) shards
 (checkpoints/mcore_io.py describes the directory). The mapping is checkpoints/convert.py; the round
@@ -28,6 +30,13 @@ def register(sub) -> None:
     to_hf.add_argument("mcore_dir", help="directory written by `sao convert hf-to-mcore`")
     to_hf.add_argument("out_dir", help="HF directory to write (safetensors shards + index, config, tokenizer)")
     to_hf.add_argument("--max-shard-mb", type=float, default=4096, help="largest safetensors file")
+    to_fp8 = kinds.add_parser("hf-to-fp8", help="HF directory -> block-FP8 (128x128) checkpoint for FP8 engines "
+                                                 "(rollout.engine_model_path with rollout.engine_fp8)")
+    to_fp8.add_argument("hf_dir", help="unquantized HF model directory")
+    to_fp8.add_argument("out_dir", help="new directory to write")
+    to_fp8.add_argument("--ignore", action="append", default=[],
+                        help="module to leave unquantized (modules_to_not_convert), e.g. model.layers.0.mlp; repeatable")
+    to_fp8.add_argument("--max-shard-mb", type=float, default=4096, help="largest safetensors file")
     parser.set_defaults(func=run)
 
 
@@ -42,6 +51,10 @@ def run(args) -> int:
             layout = ShardLayout(tp_size=args.tp, ep_size=args.ep, pp_size=args.pp, vpp_size=args.vpp,
                                  etp_size=args.etp, padded_vocab_size=args.padded_vocab or _trainer_padding(args))
             out = save_mcore_dir(args.hf_dir, args.out_dir, layout, arch=args.arch)
+        elif args.direction == "hf-to-fp8":
+            from rollout.weights.fp8_checkpoint import write_block_fp8_checkpoint
+
+            out = write_block_fp8_checkpoint(args.hf_dir, args.out_dir, tuple(args.ignore), args.max_shard_mb)
         else:
             out = mcore_dir_to_hf(args.mcore_dir, args.out_dir, max_shard_mb=args.max_shard_mb)
     except (ValueError, KeyError, FileNotFoundError, RuntimeError) as err:

@@ -148,3 +148,41 @@ def test_a_scale_never_leaves_its_weight_in_buckets_or_the_expert_hold_back():
             names_, dtypes, _ = b.meta()
             assert set(dtypes) <= {"float32", "bfloat16", "float8_e4m3fn"}
         assert sum(len(b.names) for b in buckets) == len(ordered)
+
+
+def test_sao_convert_hf_to_fp8_writes_the_checkpoint_an_fp8_engine_loads(tiny_model_dir, tmp_path, capsys):
+    """The converted checkpoint holds what weight sync would send (same quantizer), a quantization_config
+    SGLang reads as 128x128 block FP8, and passes the trainer's check as rollout.engine_model_path."""
+    import json
+
+    from checkpoints.hf_io import HFCheckpoint
+    from sao_megatron.cli.main import main
+    from sao_megatron.core.config.recipe import Recipe
+    from sao_megatron.trainer.engines import check_engine_can_take_updates, engine_fp8_layout
+
+    out = tmp_path / "fp8"
+    assert main(["convert", "hf-to-fp8", str(tiny_model_dir), str(out), "--ignore", "model.layers.0.self_attn.q_proj"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                             "weight_block_size": [128, 128],
+                                             "modules_to_not_convert": ["model.layers.0.self_attn.q_proj"]}
+    source = list(HFCheckpoint(tiny_model_dir).items())
+    layout = engine_fp8_layout_for(out)
+    written = dict(HFCheckpoint(out).items())
+    expected = dict(quantize_stream(source, layout))
+    assert written.keys() == expected.keys() and all(torch.equal(written[n], expected[n]) for n in expected)
+    assert written["model.layers.0.self_attn.q_proj.weight"].dtype != torch.float8_e4m3fn   # ignored
+    assert written["model.layers.1.self_attn.q_proj.weight"].dtype == torch.float8_e4m3fn
+    assert (out / "tokenizer.json").exists() == (tiny_model_dir / "tokenizer.json").exists()
+    recipe = Recipe()
+    recipe.rollout.engine, recipe.rollout.engine_fp8, recipe.rollout.engine_model_path = "sglang", True, str(out)
+    check_engine_can_take_updates(recipe)
+    assert engine_fp8_layout(recipe) == layout
+    assert main(["convert", "hf-to-fp8", str(out), str(tmp_path / "again")]) == 2   # already quantized
+    assert "already has a quantization_config ('fp8')" in capsys.readouterr().err
+
+
+def engine_fp8_layout_for(path):
+    from rollout.weights.fp8_blocks import layout_from_model_dir
+
+    return layout_from_model_dir(path)
