@@ -61,8 +61,13 @@ def check_engine_can_take_updates(recipe: Recipe) -> None:
     if recipe.weight_sync.method == "shard_writes":
         raise ConfigError("weight_sync.method", "shard writes do not slice FP8 blocks and their scales per engine "
                           "rank (rollout.engine_fp8 = true)", "use weight_sync.method = 'broadcast'")
-    if rollout.engine != "sglang":
-        return   # the reference server serves the block-FP8 version of model.path (--quantization fp8)
+    if rollout.engine != "sglang":   # the reference server makes the block-FP8 version of an unquantized checkpoint
+        config_path = Path(engine_model_path(recipe)) / "config.json"
+        if config_path.is_file() and "quantization_config" in json.loads(config_path.read_text()):
+            raise ConfigError("rollout.engine_model_path", f"{config_path} is a quantized checkpoint; the reference "
+                              "server (--quantization fp8) loads an unquantized one and makes its FP8 blocks itself",
+                              "leave rollout.engine_model_path empty (model.path) for reference engines")
+        return
     _check_block_fp8_checkpoint(engine_model_path(recipe))
 
 

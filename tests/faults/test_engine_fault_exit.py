@@ -77,6 +77,9 @@ def test_fp8_engines_are_refused_before_anything_starts_unless_updates_can_land(
     with pytest.raises(ConfigError, match=r"^weight_sync.method"):
         check_engine_can_take_updates(recipe)
     recipe.weight_sync.method = "broadcast"
+    with pytest.raises(ConfigError, match=r"^rollout.engine_model_path: .*is a quantized checkpoint; the reference"):
+        check_engine_can_take_updates(recipe)   # still the block-FP8 checkpoint above
+    recipe.rollout.engine_model_path = _fp8_checkpoint(tmp_path / "plain", None, "qwen3_moe")
     check_engine_can_take_updates(recipe)
     recipe.rollout.engine_fp8 = False
     recipe.rollout.engine, recipe.weight_sync.method = "sglang", "shard_writes"

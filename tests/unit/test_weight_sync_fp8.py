@@ -4,7 +4,9 @@
 - a bf16 tensor for a weight it holds in FP8 is refused with a 400 naming the tensor, nothing written;
 - an FP8 weight without its scale in the same call is refused naming the scale;
 - after a push of FP8 blocks + scales it holds exactly their dequantized values (check_equal, all 47
-  server tensors) and its logprobs equal an HF model loaded with those values.
+  server tensors) and its logprobs equal an HF model loaded with those values;
+- disk sync writes FP8 shards (float8 + scales) that it loads the same way;
+- `sao train` with rollout.engine_fp8 end to end.
 """
 from __future__ import annotations
 
@@ -107,6 +109,39 @@ def test_4_fp8_push_lands_exactly_and_serves_the_trainers_fp8_logprobs(fp8_serve
     result = asyncio.run(generate())
     expected = _hf_logprobs(tiny_model_dir, served_values, [5, 17, 33, 40], result.output_ids)
     assert (torch.tensor(result.output_logprobs) - expected).abs().mean().item() < 1e-5
+
+
+def test_5_disk_sync_writes_fp8_shards_the_server_loads_as_blocks(fp8_server, tiny_model_dir, tmp_path):
+    from safetensors import safe_open
+
+    from rollout.weights.sync import DiskWeightSync
+
+    named = _new_weights(tiny_model_dir, 0.02)
+
+    async def scenario():
+        engine = _engine(fp8_server)
+        try:
+            sync = DiskWeightSync(WeightSyncConfig(method="disk", timeout_s=120), [engine], tmp_path, fp8=LAYOUT)
+            await sync.push(named, version=6)
+            return await engine.weight_version()
+        finally:
+            await engine.close()
+    assert asyncio.run(scenario()) == 6
+    shard = next((tmp_path / "v6").glob("*.safetensors"))
+    with safe_open(str(shard), "pt") as f:
+        fp8 = [k for k in f.keys() if f.get_slice(k).get_dtype() == "F8_E4M3"]
+    assert fp8 and all(f"{k}_scale_inv" in open_keys(tmp_path / "v6") for k in fp8)
+    assert [c.compared for c in _check(fp8_server, round_trip_stream(named, LAYOUT))] == [47]
+
+
+def open_keys(path):
+    from safetensors import safe_open
+
+    keys = set()
+    for shard in path.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            keys |= set(f.keys())
+    return keys
 
 
 def test_sao_train_with_engine_fp8_sends_fp8_blocks_and_check_equal_holds(tmp_path):
