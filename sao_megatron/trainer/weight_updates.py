@@ -32,9 +32,6 @@ class WeightUpdates:
         self.restarts = None                 # engine_restarts.EngineRestarts on the driver rank, if any
         self.rank, self.world_size, self.is_driver = rank, world_size, rank == 0
         self.restarts_seen = 0               # engine restarts this rank's sender has formed its group after
-        from .engines import engine_fp8_layout
-
-        self.fp8_layout = engine_fp8_layout(recipe)   # None unless rollout.engine_fp8 (check_equal's trainer side)
 
     async def sync(self, version: int) -> dict:
         """Broadcast the new policy weights to every engine under `version`, engines paused meanwhile."""
@@ -127,11 +124,13 @@ class WeightUpdates:
         if self.recipe.weight_sync.check_equal:
             from rollout.weights import check_weight_update_equal
 
-            named = self.policy.export_hf()
-            if self.fp8_layout is not None:   # an FP8 engine serves each FP8 weight as its dequantized blocks
+            from .engines import engine_fp8_layout
+
+            named, fp8 = self.policy.export_hf(), engine_fp8_layout(self.recipe)
+            if fp8 is not None:   # an FP8 engine serves each FP8 weight as its dequantized blocks
                 from rollout.weights.fp8_blocks import round_trip_stream
 
-                named = round_trip_stream(named, self.fp8_layout)
+                named = round_trip_stream(named, fp8)
             await check_weight_update_equal(self.engines if self.is_driver else [], named)
 
     async def _push_turn(self, named, version: int) -> None:
