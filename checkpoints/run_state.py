@@ -58,6 +58,7 @@ class RunCheckpointer:
         self.rank = d_rank if rank is None else rank
         self.world_size = d_world if world_size is None else world_size
         self.barrier = barrier or d_barrier
+        self.verified: dict[Path, dict] = {}   # checkpoint -> its top manifest, once verify_whole passed
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, components: dict) -> Path:
@@ -120,15 +121,17 @@ class RunCheckpointer:
         found = self.list()
         return found[-1] if found else None
 
-    def load(self, components: dict, path: str | Path | None = None) -> Optional[Path]:
+    def load(self, components: dict, path: str | Path | None = None, verified: Optional[dict] = None) -> Optional[Path]:
         """Verify and load the checkpoint at `path` (default: latest) into `components`.
-        Returns the directory, or None when there is nothing to resume from (and no path was asked)."""
+        Returns the directory, or None when there is nothing to resume from (and no path was asked).
+        `verified`: the top manifest `verify_whole` passed for this checkpoint (every file checksummed,
+        the ranks agreeing): when the manifest there is still that one, files are checked by size only."""
         ckpt = Path(path) if path is not None else self.latest()
         if ckpt is None:
             return None
         error, top = None, None
         try:
-            top = self._verify(ckpt, components)
+            top = self._verify(ckpt, components, verified or self.verified.get(ckpt))
         except CheckpointCorruptError as err:
             error = err
         failed = self._ranks_failed(error is not None)
@@ -146,9 +149,10 @@ class RunCheckpointer:
             _load_into(component, state)
         return ckpt
 
-    def _verify(self, ckpt: Path, components: dict) -> dict:
+    def _verify(self, ckpt: Path, components: dict, verified: Optional[dict] = None) -> dict:
         fallback = self._fallback_hint(ckpt)
         top = read_manifest(ckpt / "manifest.json", fallback)
+        check = check_sizes if verified == top else verify_files   # hashed once, by verify_whole
         shared = top.get("distributed", [])
         missing = sorted(set(components) - set(top["components"]))
         if missing:
@@ -163,11 +167,11 @@ class RunCheckpointer:
         if wrong:
             raise CheckpointCorruptError(f"{ckpt} holds {wrong} as a distributed checkpoint; fix: resume with "
                                          "checkpoint.format = distributed")
-        verify_files(ckpt, top["rank_manifests"], fallback)
+        check(ckpt, top["rank_manifests"], fallback)
         own = read_manifest(ckpt / f"manifest.rank{self.rank % top['world_size']:05d}.json", fallback)
-        verify_files(ckpt, own["files"], fallback)
+        check(ckpt, own["files"], fallback)
         shared_files = sorted(top.get("distributed_files", {}))   # each rank checksums its share of them
-        verify_files(ckpt, {n: top["distributed_files"][n] for n in shared_files[self.rank::self.world_size]}, fallback)
+        check(ckpt, {n: top["distributed_files"][n] for n in shared_files[self.rank::self.world_size]}, fallback)
         return top
 
     # ------------------------------------------------------------------ resume choice
@@ -211,6 +215,7 @@ class RunCheckpointer:
             raise error
         if failed:
             raise CheckpointCorruptError(f"{ckpt} failed verification on rank(s) {failed}{fallback}")
+        self.verified[ckpt] = top
         return top
 
     def _verify_whole_here(self, ckpt: Path, fallback: str) -> dict:

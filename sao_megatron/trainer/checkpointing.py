@@ -1,6 +1,7 @@
 """Run checkpoints from the loop's side: what a checkpoint holds, when one is due, and the resume."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -27,29 +28,37 @@ class Checkpoints:
         self.checkpointer = RunCheckpointer(recipe.run_dir / "checkpoints", keep_last=self.cfg.keep_last,
                                             rank=rank, world_size=world_size)
 
+        self.verified: Optional[dict] = None   # resolve_resume's verified top manifest (set by entry.run_rank)
+
     async def maybe_save(self, step: int, final: bool, parts: dict) -> None:
-        due = final or (self.cfg.interval and step % self.cfg.interval == 0) or self.preemption_requested()
+        """Save when `final` (the last step, a preemption the ranks agreed on, a stop) or at the interval."""
+        due = final or (self.cfg.interval and step % self.cfg.interval == 0)
         if due and self.saves:
             self.checkpointer.save(step, parts)
 
     def resume(self, parts: dict) -> Optional[Path]:
-        """Load the checkpoint checkpoint.resume names (auto: the latest, if any) into `parts`."""
+        """Load the checkpoint checkpoint.resume names (auto: the latest, if any) into `parts`. A
+        checkpoint resolve_resume verified whole is not checksummed again (`verified`)."""
         if self.cfg.resume == "never":
             return None
-        return self.checkpointer.load(parts, path=None if self.cfg.resume == "auto" else Path(self.cfg.resume))
+        return self.checkpointer.load(parts, path=None if self.cfg.resume == "auto" else Path(self.cfg.resume),
+                                      verified=self.verified)
 
-    def preemption_requested(self) -> bool:
+    @staticmethod
+    def preemption_flag() -> bool:
+        """This rank's preemption flag; the loop agrees on it across ranks (agreement.py)."""
         from checkpoints.preemption import should_checkpoint_and_exit
 
-        # With several ranks a signal may reach only some of them: agree, so all stop at the same step.
-        return should_checkpoint_and_exit(sync=self.world_size > 1)
+        return should_checkpoint_and_exit(sync=False)
 
 
-def resolve_resume(recipe: Recipe, rank: int, world_size: int) -> Recipe:
+def resolve_resume(recipe: Recipe, rank: int, world_size: int, verified: Optional[dict] = None) -> Recipe:
     """Verify the checkpoint to resume from before any model is built: the recipe comes back with
     checkpoint.resume set to the verified directory (or 'never' when there is none). With 'auto' a newer
     checkpoint that fails verification is skipped for the previous good one, saying which and why in one
-    line; a named one that fails, or no good one at all, is a one-line error (exit 2)."""
+    line; a named one that fails, or no good one at all, is a one-line error (exit 2). `verified`, when
+    given, receives the chosen checkpoint's top manifest: Checkpoints.resume then loads without hashing
+    every file a second time."""
     from checkpoints.run_state import CheckpointCorruptError, RunCheckpointer
 
     cfg = recipe.checkpoint
@@ -61,6 +70,8 @@ def resolve_resume(recipe: Recipe, rank: int, world_size: int) -> Recipe:
         problem, *fix = re.split(r"[;:] fix: ", str(err), maxsplit=1)   # the fix, once, after "; fix: "
         raise ConfigError("checkpoint.resume", problem, fix[0] if fix else "start over with checkpoint.resume=never") \
             from None
+    if verified is not None and chosen is not None:
+        verified.update(checkpointer.verified.get(chosen, {}))
     if skipped and rank == 0:
         print(f"checkpoint.resume=auto: skipped {'; '.join(skipped)}; resuming from {chosen.name}, the newest "
               "checkpoint that verifies", file=sys.stderr)
@@ -105,6 +116,49 @@ def checkpoint_parts(components, state) -> dict:
     if components.samples is not None:
         parts["driver"] = components.samples
     return parts
+
+
+@dataclasses.dataclass
+class StepStart:
+    """The run at a step's start, for a save before the step's first model update (agreement.py): the
+    trainer state and RNG states then, and (rank 0) the batch collected since, which goes back to the
+    front of the saved buffer so a resume trains it at the same step, once."""
+
+    trainer: dict
+    rng: dict
+    batch: Optional[list] = None
+
+    @classmethod
+    def take(cls, state) -> "StepStart":
+        from checkpoints.run_state import RngState
+
+        return cls(state.state_dict(), RngState(cuda=False).state_dict())
+
+
+def step_start_parts(components, start: StepStart) -> dict:
+    """What `checkpoint_parts` would have saved at the step's start (same names, same formats)."""
+    from checkpoints.run_state import ValueState
+
+    parts = checkpoint_parts(components, None)
+    parts["trainer"] = ValueState(lambda: dict(start.trainer), None)
+    parts["rng"] = ValueState(lambda: start.rng, None)
+    if "driver" in parts and start.batch:
+        source = components.samples
+        parts["driver"] = ValueState(lambda: with_batch_returned(source.state_dict(), start.batch), None)
+    return parts
+
+
+def with_batch_returned(driver_state: dict, batch: list) -> dict:
+    """A driver state_dict with `batch` (whole groups, oldest first) back at the front of its buffer."""
+    groups: list[list] = []
+    for sample in batch:
+        if groups and groups[-1][0].group_id == sample.group_id:
+            groups[-1].append(sample)
+        else:
+            groups.append([sample])
+    buffer = dict(driver_state["buffer"])
+    buffer["ready"] = [[copy.deepcopy(s.to_dict()) for s in group] for group in groups] + list(buffer["ready"])
+    return {**driver_state, "buffer": buffer}
 
 
 def report_resume(loaded: Optional[Path], state, rank: int) -> None:

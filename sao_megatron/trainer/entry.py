@@ -91,21 +91,24 @@ def run_rank(recipe: Recipe) -> int:
 
     from .engines import check_engine_can_take_updates
 
+    verified: dict = {}   # the chosen checkpoint's manifest: verified (checksummed) once, here
     try:
         check_engine_can_take_updates(recipe)    # every rank, before any engine or model is built
-        recipe = resolve_resume(recipe, env.rank, env.world_size)   # verified before any model is built
+        recipe = resolve_resume(recipe, env.rank, env.world_size, verified=verified)   # before any model is built
     except ConfigError as err:
         if env.world_size == 1:
             raise                      # `sao train` itself prints it: one line, exit 2
         return rank_recipe_error(err, env.rank)
     from rollout.engine import EngineError
 
+    from .agreement import RankFailed
     from .stopping import CollectionStopped
 
     try:
-        state, stopped, saved = asyncio.run(_train(recipe, env.rank, env.world_size))
-    except (CollectionStopped, EngineError) as err:   # a rollout or engine fault (e.g. an engine that died
-        # inside a weight-update window): its one line, no traceback; the run dir holds the last checkpoint
+        state, stopped, saved = asyncio.run(_train(recipe, env.rank, env.world_size, verified or None))
+    except (CollectionStopped, EngineError, RankFailed) as err:   # a rollout or engine fault (e.g. an engine
+        # that died inside a weight-update window) or a rank's failure (agreement.py, its traceback in the
+        # run dir): its one line, no traceback; the run dir holds the last checkpoint
         print(f"error: {err} (run dir {recipe.run_dir})", file=sys.stderr)
         return 1
     if env.rank == 0:
@@ -116,13 +119,14 @@ def run_rank(recipe: Recipe) -> int:
     return 0
 
 
-async def _train(recipe: Recipe, rank: int, world_size: int):
+async def _train(recipe: Recipe, rank: int, world_size: int, verified: dict | None = None):
     from .components import build_components
     from .loop import Trainer
     from .state import TrainerState
 
     state = TrainerState()
     async with build_components(recipe, rank, world_size) as parts:
+        parts.checkpoints.verified = verified
         trainer = Trainer(recipe, parts, state)
         await trainer.train()
     return state, trainer.stopped, trainer.saved_at_stop

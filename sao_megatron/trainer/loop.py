@@ -9,13 +9,17 @@ the others, and every rank runs the model steps. What the loop talks to comes bu
 
 Stopping (docs/reliability.md): a preemption signal is honoured between steps and during collection
 (stopping.py); a rollout failure during collection stops the run with its one line. Either way, and
-for any other error raised while the state is consistent (between a finished step and the next
-model update), the last completed step is saved first: its model, and the driver's buffer and
-in-flight samples, which a resume re-issues, so no sample is lost or trained on twice.
+for any other error raised while the state is consistent (before the step's first model update, or
+after the step), the last completed step is saved first: its model, and the driver's buffer and
+in-flight samples, which a resume re-issues, so no sample is lost or trained on twice. A failure
+before the first update saves the step's starting state, its batch back in the buffer (StepStart).
+With several ranks the local parts of a step end at agreement points (agreement.py): one rank's
+failure there stops every rank together, and all save; a failure inside a collective cannot be agreed.
 """
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -26,10 +30,11 @@ from sao_megatron.core.records import Sample, TrainBatch
 
 from . import steps
 from .batching import advantage_batch, gather_responses, pack_samples, with_advantages, with_counts
-from .checkpointing import checkpoint_parts, report_resume
+from .agreement import ErrorAgreement, RankFailed
+from .checkpointing import StepStart, checkpoint_parts, report_resume, step_start_parts
 from .components import Components
 from .state import TrainerState, total_steps, warmup_steps
-from .stopping import CollectionStopped, collect_until_stopped, share_batch
+from .stopping import CollectionStopped, Stop, collect_until_stopped, share_batch
 
 
 class Trainer:
@@ -38,9 +43,13 @@ class Trainer:
         self.warmup, self.total = warmup_steps(recipe), total_steps(recipe)
         # One thread runs every model call, so the event loop keeps requests flowing meanwhile.
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="model", initializer=_enter_shim)
-        self.consistent = False    # True between a finished step (or the resume) and the next model update
+        self.consistent = False    # True from a finished step (or the resume) to the next model update
+        self.start: StepStart | None = None   # within a step, until its first model update
         self.stopped: CollectionStopped | None = None
         self.saved_at_stop = False   # whether a checkpoint of the last completed step exists after a stop
+        self.preempted = False       # a preemption signal reached some rank (agreed at the step's end)
+        self.where = "starting"      # what the step is doing, for the one line of a failure
+        self.agreement = ErrorAgreement(parts.rank, parts.world_size, recipe.run_dir)
 
     async def on_model_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._model_thread, fn, *args)
@@ -51,39 +60,101 @@ class Trainer:
             await self.resume_and_start()
             await self.pretrain_value_model()
             self.consistent = True
-            while state.step < self.total and not parts.checkpoints.preemption_requested():
+            self.preempted = await self.agreed("after resuming")
+            while state.step < self.total and not self.preempted:
                 await self.train_step()
         except CollectionStopped as stop:
             self.saved_at_stop = await self.save_last_completed_step()
             if not stop.stop.preempted:
                 raise
             self.stopped = stop
+        except RankFailed as failed:   # agreed: every rank is here, at the same point
+            try:
+                failed.outcome = self._checkpoint_outcome(await self.save_last_completed_step(), agreed=True)
+            except Exception as err:   # noqa: BLE001 - the save's own failure, named in the one line
+                failed.outcome = f"the final save failed on rank {parts.rank}: {type(err).__name__}: {err}"
+            raise
+        except Exception as err:
+            if parts.world_size == 1:
+                await self.save_last_completed_step()
+                raise
+            # inside a collective region: the other ranks cannot join a save (agreement.py)
+            failed = self.agreement.alone(err, self.where)
+            failed.outcome = self._checkpoint_outcome(False, agreed=False)
+            raise failed from err
         except BaseException:
-            if self.parts.world_size == 1:   # with more ranks the others may not reach a collective save
+            if parts.world_size == 1:
                 await self.save_last_completed_step()
             raise
         finally:
             self._model_thread.shutdown()
 
+    async def agreed(self, where: str, fn=None, *args):
+        """Run local code (no collective; `fn` may be async), then meet the other ranks at an agreement
+        point: a failure on any rank raises RankFailed on every rank. Returns fn's result; without fn,
+        whether any rank got a preemption signal."""
+        self.where = where
+        result, error = None, None
+        try:
+            if fn is not None:
+                result = fn(*args)
+                if inspect.isawaitable(result):
+                    result = await result
+        except Exception as err:   # noqa: BLE001 - held for the agreement, raised on every rank there
+            error = err
+        point = (where, error, self.parts.checkpoints.preemption_flag())
+        if self.parts.world_size == 1:   # no collective: no need to leave the event loop
+            preempted = self.agreement.agree(*point)
+        else:                            # the collective waits on the model thread; requests keep flowing
+            preempted = await self.on_model_thread(self.agreement.agree, *point)
+        return preempted if fn is None else result
+
+    async def model_call(self, where: str, fn, *args):
+        """A call that may hold collectives (model steps): run on the model thread."""
+        self.where = where
+        return await self.on_model_thread(fn, *args)
+
+    def _checkpoint_outcome(self, saved: bool, agreed: bool) -> str:
+        """The end of a failure's one line: what a resume will start from."""
+        if not self.parts.checkpoints.saves:
+            return "no checkpoint (this mode saves none)"
+        latest = self.parts.checkpoints.checkpointer.latest()
+        if saved:
+            return f"every rank saved the last completed step ({latest.name})"
+        kept = f"the previous checkpoint {latest.name} is kept" if latest else "no checkpoint exists yet"
+        if not agreed:
+            return f"no final checkpoint (a failure inside a collective cannot be agreed; the models may be " \
+                   f"mid-update); {kept}"
+        return f"no final checkpoint (value pretraining saves none); {kept}"
+
     async def train_step(self) -> None:
         parts, state = self.parts, self.state
-        started = time.perf_counter()
+        started, version, stats = time.perf_counter(), state.version, {}
+        self.start = StepStart.take(state)
         samples = await self.collect()
-        self.consistent = False
-        stats = steps.rollout_metrics(samples, state.version)
+        self.start.batch = samples
         if parts.trains:
-            batches, prepared = await self.prepare(samples)
-            stats |= prepared | await self.update_critic(batches)
+            batches, stats = await self.prepare(samples)
+            self.consistent, self.start = False, None   # the models change from here to the step's end
+            stats |= await self.update_critic(batches)
             if state.step >= self.warmup:
                 stats |= await self.update_policy(batches)
+                self.where = "syncing weights"
                 stats |= await parts.weights.sync(state.version + 1)
                 state.version += 1
         state.step += 1
-        self.consistent = True
+        self.consistent, self.start = True, None
         stats["perf/step_time_s"] = time.perf_counter() - started
+        self.preempted = await self.agreed("logging the step", self.report, samples, version, stats)
+        self.where = "saving a checkpoint"
+        await parts.checkpoints.maybe_save(state.step, state.step == self.total or self.preempted,
+                                           checkpoint_parts(self.parts, state))
+
+    async def report(self, samples: list[Sample], version: int, stats: dict) -> None:
+        """Rollout metrics, evaluation and the log line of a finished step (rank 0's sink and engines)."""
+        stats = steps.rollout_metrics(samples, version) | stats
         stats |= await self.maybe_evaluate()
-        self.log(stats, state.step)
-        await parts.checkpoints.maybe_save(state.step, state.step == self.total, checkpoint_parts(self.parts, state))
+        self.log(stats, self.state.step)
 
     async def save_last_completed_step(self) -> bool:
         """On a stop or a fatal error: save the last completed step unless the models are mid-update
@@ -96,7 +167,10 @@ class Trainer:
         if latest is not None and latest.name == f"{CHECKPOINT_PREFIX}{step:08d}":
             return True
         self.consistent = False    # a failure inside the save must not try again
-        await checkpoints.maybe_save(step, True, checkpoint_parts(self.parts, self.state))
+        parts = checkpoint_parts(self.parts, self.state) if self.start is None else step_start_parts(self.parts,
+                                                                                                       self.start)
+        self.where = "saving the last completed step"
+        await checkpoints.maybe_save(step, True, parts)
         return True
 
     async def resume_and_start(self) -> None:
@@ -110,20 +184,32 @@ class Trainer:
 
     async def collect(self) -> list[Sample]:
         """Rank 0 gets finished samples from its sample source; the other ranks receive them."""
-        samples = None
+        samples, self.where = None, "collecting samples"
         if self.parts.samples is not None:
-            samples = await collect_until_stopped(
-                self.parts.samples.get_batch(self.recipe.rollout.batch_size, self.state.version))
+            try:
+                samples = await collect_until_stopped(
+                    self.parts.samples.get_batch(self.recipe.rollout.batch_size, self.state.version))
+            except Exception as err:
+                if self.parts.world_size == 1:
+                    raise
+                samples = Stop(self.agreement.describe(err, self.where), preempted=False)   # every rank stops
+        self.where = "receiving the batch"
         return share_batch(samples, self.parts.world_size)
 
     async def prepare(self, samples: list[Sample]):
-        """Pack the samples once -> critic values on those batches -> advantages -> the batches with them."""
-        packed = pack_samples(samples, self.recipe.parallel.micro_batch_tokens)
-        values = None
+        """Pack the samples once -> critic values on those batches -> advantages -> the batches with them.
+        The local parts end at agreement points, before the critic's forward (a collective) and after."""
+        packed = raw = None
         if self.parts.critic is not None:
+            packed = await self.agreed("packing the batch", pack_samples, samples,
+                                       self.recipe.parallel.micro_batch_tokens)
             await self.make_resident("critic")
-            values = gather_responses(packed, await self.on_model_thread(self.parts.critic.compute_values,
-                                                                         packed.batches))
+            raw = await self.model_call("computing critic values", self.parts.critic.compute_values, packed.batches)
+        return await self.agreed("computing advantages", self.advantages, samples, packed, raw)
+
+    def advantages(self, samples: list[Sample], packed, raw_values):
+        packed = packed or pack_samples(samples, self.recipe.parallel.micro_batch_tokens)
+        values = None if raw_values is None else gather_responses(packed, raw_values)
         inputs = advantage_batch(samples, values, self.state.baseline)
         advantages, returns, metrics = steps.compute_step_advantages(self.recipe.algorithm, inputs)
         self.state.baseline = metrics.get("running_baseline", self.state.baseline)
@@ -136,20 +222,21 @@ class Trainer:
         loss_fn = steps.value_loss_fn(self.recipe.critic)
         stats = {}
         for _ in range(self.recipe.critic.updates_per_step):   # two-timescale: K critic updates
-            stats = await self.on_model_thread(critic.train_step, _my_share(batches), loss_fn)
+            stats = await self.model_call("updating the critic", critic.train_step, _my_share(batches), loss_fn)
         return steps.prefixed("critic", stats)
 
     async def update_policy(self, batches: list[TrainBatch]) -> dict:
         policy, algo = self.parts.policy, self.recipe.algorithm
         await self.make_resident("policy")
         if algo.loss != "dis" and algo.mini_batches > 1:  # PPO-style losses need pi_old before any update
-            logps = await self.on_model_thread(policy.compute_logprobs, batches)
+            logps = await self.model_call("computing old logprobs", policy.compute_logprobs, batches)
             batches = [replace(batch, old_logprobs=logp) for batch, (logp, _) in zip(batches, logps)]
         loss_fn = steps.policy_loss_fn(algo, norm_len=float(self.recipe.rollout.max_new_tokens))
         stats = {}
         for part in _split(batches, algo.mini_batches):
             # each mini-batch is its own optimizer step: its loss normalises by its own token count
-            stats = await self.on_model_thread(policy.train_step, _my_share(with_counts(part)), loss_fn)
+            stats = await self.model_call("updating the policy", policy.train_step, _my_share(with_counts(part)),
+                                          loss_fn)
         return steps.prefixed("train", stats)
 
     async def make_resident(self, role: str) -> None:
@@ -157,7 +244,7 @@ class Trainer:
         if self.recipe.critic.placement != "swap" or self.parts.critic is None:
             return
         other = self.parts.policy if role == "critic" else self.parts.critic
-        await self.on_model_thread(other.park)
+        await self.model_call(f"parking the {'policy' if role == 'critic' else 'critic'}", other.park)
 
     async def pretrain_value_model(self) -> None:
         """Value pretraining on the initial policy's rollouts (critic only, weights never change)."""

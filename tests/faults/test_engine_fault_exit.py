@@ -13,11 +13,11 @@ def test_engine_error_escaping_the_loop_is_one_line_and_exit_1(monkeypatch, caps
     import parallel.distributed as dist
     from sao_megatron.trainer import checkpointing
 
-    async def dying_train(recipe, rank, world):
+    async def dying_train(recipe, rank, world, verified=None):
         raise EngineError("engine http://10.77.0.11:30000 died during the weight update (connection refused)")
 
     monkeypatch.setattr(dist, "init_distributed", lambda *a, **k: types.SimpleNamespace(rank=0, world_size=1))
-    monkeypatch.setattr(checkpointing, "resolve_resume", lambda recipe, rank, world: recipe)
+    monkeypatch.setattr(checkpointing, "resolve_resume", lambda recipe, rank, world, **kw: recipe)
     monkeypatch.setattr(entry, "_train", dying_train)
     recipe = Recipe()
     recipe.run.output_dir = str(tmp_path)

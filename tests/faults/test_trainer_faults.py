@@ -18,6 +18,7 @@ import time
 
 import pytest
 import torch
+from agreement_ranks import FakePolicy
 
 from checkpoints import preemption
 from checkpoints.init_model import build_tokenizer
@@ -46,11 +47,13 @@ pytestmark = pytest.mark.usefixtures("preemption_signals_restored")
 class Run:
     """One trainer over scripted engines; records the uids of every batch it trained on."""
 
-    def __init__(self, tmp, engines, steps: int, reward_fn=None, **rollout):
+    def __init__(self, tmp, engines, steps: int, reward_fn=None, policy=None, **rollout):
         opts = dict(task="arithmetic", batch_size=4, max_in_flight=4, max_new_tokens=8, staleness_bound=100,
                     request_timeout_s=30.0, reward_timeout_s=5.0) | rollout
         overrides = [f"run.output_dir='{tmp}'", "run.name='faults'", f"run.num_steps={steps}", "model.path='unused'",
                      "critic.warmup_steps=0", "checkpoint.interval=0"]
+        if policy is not None:   # a training run: a stand-in policy (agreement_ranks.FakePolicy), no critic
+            overrides += ["algorithm.name='running_mean'", "algorithm.mini_batches=1"]
         overrides += [f"rollout.{k}={v!r}" if isinstance(v, str) else f"rollout.{k}={str(v).lower()}"
                       for k, v in opts.items()]
         self.recipe = load_recipe(None, overrides, check_files=False)
@@ -59,9 +62,9 @@ class Run:
         self.driver = RolloutDriver(engines, source, reward_fn or resolve_reward_fn(cfg), cfg, TOK, seed=0,
                                     probe_interval_s=0.02)
         self.model = {"updates": 0}
-        policy = ValueState(lambda: self.model, self.model.update)
+        trains, policy = policy is not None, policy or ValueState(lambda: self.model, self.model.update)
         self.checkpoints = Checkpoints(self.recipe, 0, 1, saves=True)
-        parts = Components(0, 1, policy, None, self.driver, NoWeightUpdates(), self.checkpoints, trains=False)
+        parts = Components(0, 1, policy, None, self.driver, NoWeightUpdates(), self.checkpoints, trains=trains)
         self.state = TrainerState()
         self.trainer = Trainer(self.recipe, parts, self.state)
         self.trained: list[str] = []
@@ -84,10 +87,10 @@ class Run:
         return self.checkpoints.checkpointer.latest()
 
     def saved(self) -> dict:
-        """The latest checkpoint's trainer state and driver state."""
+        """The latest checkpoint's trainer state, driver state and policy state."""
         ckpt = self.latest()
-        return {"trainer": torch.load(ckpt / "trainer.rank00000.pt", weights_only=False),
-                "driver": torch.load(ckpt / "driver.rank00000.pt", weights_only=False)}
+        return {name: torch.load(ckpt / f"{name}.rank00000.pt", weights_only=False)
+                for name in ("trainer", "driver", "policy")}
 
 
 def saved_uids(driver_state: dict) -> list[str]:
@@ -298,21 +301,52 @@ def test_fatal_error_between_steps_saves_the_last_completed_step(tmp_path, monke
     assert run.latest().name == "step_00000002" and run.saved()["trainer"]["step"] == 2
 
 
-def test_fatal_error_mid_update_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    from sao_megatron.trainer import steps
-
-    run = Run(tmp_path, [ScriptedEngine("e0", token_time_s=0.0005)], steps=4)
-    real = steps.rollout_metrics
-
-    def fail_on_third(samples, version):
+def test_fatal_error_mid_update_keeps_the_previous_checkpoint(tmp_path):
+    def fail_on_third():
         if run.state.step == 2:
             raise RuntimeError("update failed")
-        return real(samples, version)
 
-    monkeypatch.setattr(steps, "rollout_metrics", fail_on_third)
+    run = Run(tmp_path, [ScriptedEngine("e0", token_time_s=0.0005)], steps=4, policy=FakePolicy(fail_on_third))
     with pytest.raises(RuntimeError, match="update failed"):
         asyncio.run(run.train())
+    assert run.state.step == 2
     assert run.latest() is None      # interval 0: nothing saved, and nothing written mid-update
+
+
+def test_fatal_error_before_the_update_saves_the_step_start_with_its_batch_back(tmp_path, monkeypatch):
+    """A failure after the batch was taken but before any model update (here: the advantages) saves the
+    last completed step as it was when the step began, its batch back at the front of the buffer: the
+    resume trains that batch at the same step, once."""
+    from sao_megatron.trainer import steps
+
+    run = Run(tmp_path, [ScriptedEngine("e0", token_time_s=0.0005)], steps=4, policy=FakePolicy())
+    real = steps.compute_step_advantages
+
+    def fail_on_third(*args):
+        if run.state.step == 2:
+            raise RuntimeError("advantages failed")
+        return real(*args)
+
+    monkeypatch.setattr(steps, "compute_step_advantages", fail_on_third)
+    with pytest.raises(RuntimeError, match="advantages failed"):
+        asyncio.run(run.train())
+    monkeypatch.setattr(steps, "compute_step_advantages", real)
+    batches = [run.trained[i:i + 4] for i in range(0, len(run.trained), 4)]
+    assert len(batches) == 3 and run.latest().name == "step_00000002"
+    saved = run.saved()
+    assert saved["trainer"]["step"] == 2 and saved["policy"]["updates"] == 2
+    assert sorted(saved["policy"]["trained"]) == sorted(batches[0] + batches[1])
+    assert [d["uid"] for g in saved["driver"]["buffer"]["ready"][:4] for d in g] == batches[2]   # at the front
+    assert_each_prompt_once(saved["driver"], batches[0] + batches[1])
+
+    resumed = Run(tmp_path, [ScriptedEngine("e1", token_time_s=0.0005)], steps=4, policy=FakePolicy())
+    asyncio.run(resumed.train())
+    assert resumed.trained[:4] == batches[2]            # step 3 trains the batch the failure returned
+    final = resumed.saved()
+    assert final["trainer"]["step"] == 4 and final["policy"]["updates"] == 4
+    trained = final["policy"]["trained"]
+    assert len(trained) == len(set(trained)) == 16      # every sample trained once
+    assert_each_prompt_once(final["driver"], trained)
 
 
 # ---- 5. children die with the run, SIGKILL included ----------------------------------------------
