@@ -91,16 +91,45 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     np.copyto(dst.numpy().reshape(raw.shape), raw)
 
 
+_Q_A = ".self_attn.q_a_proj.weight"
+_KV_A = ".self_attn.kv_a_proj_with_mqa.weight"
+
+
+def joins_previous(previous: str, name: str) -> bool:
+    """Tensors SGLang must get in the same update call as the one before them (one past the bound):
+    - an FP8 scale (`..._scale_inv`, fp8_blocks.py) with its weight: the DeepSeek loader re-derives
+      MLA's w_kc/w_vc from kv_b_proj's weight and scale in the call that loads them
+      (models/deepseek_common/deepseek_weight_loader.py:550, :586-661);
+    - MLA's kv_a_proj_with_mqa with its layer's q_a_proj (and their scales): with q LoRA the DeepSeek
+      loader fuses the two into fused_qkv_a_proj_with_mqa from a cache local to one load_weights call
+      and silently drops a half whose partner is in another call (deepseek_weight_loader.py:279-283,
+      :438-513). `mla_a_pairs` puts them next to each other."""
+    if name.endswith(SCALE_SUFFIX):
+        return True
+    return name.endswith(_KV_A) and previous.removesuffix(SCALE_SUFFIX) == name.removesuffix(_KV_A) + _Q_A
+
+
+def mla_a_pairs(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Hold each layer's q_a_proj back until its kv_a_proj_with_mqa comes, then yield the two together
+    (the export yields q_b_proj between them); every other tensor passes in order."""
+    held: dict[str, tuple[str, torch.Tensor]] = {}
+    for name, tensor in named:
+        if name.endswith(_Q_A):
+            held[name.removesuffix(_Q_A)] = (name, tensor)
+            continue
+        if name.endswith(_KV_A) and name.removesuffix(_KV_A) in held:
+            yield held.pop(name.removesuffix(_KV_A))
+        yield name, tensor
+    yield from held.values()   # no partner (q LoRA without kv_a: not a model SGLang fuses)
+
+
 def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
-    """Group a stream into aligned buckets of at most `bucket_bytes` (a larger tensor travels alone).
-    An FP8 scale (`..._scale_inv`, fp8_blocks.py) never starts a bucket: it rides with the weight just
-    before it (one scale past the bound), so one update call loads both; SGLang's DeepSeek loader
-    re-derives MLA's w_kc/w_vc from kv_b_proj's weight and scale in the call that loads them
-    (models/deepseek_common/deepseek_weight_loader.py:550, :586-661)."""
+    """Group a stream into aligned buckets of at most `bucket_bytes` (a larger tensor travels alone);
+    a tensor that `joins_previous` stays in the bucket of the one before it."""
     current = Bucket([], [])
     for name, tensor in named_tensors:
         size = tensor.numel() * tensor.element_size()
-        if current.names and current.nbytes + size > bucket_bytes and not name.endswith(SCALE_SUFFIX):
+        if current.names and current.nbytes + size > bucket_bytes and not joins_previous(current.names[-1], name):
             yield current.aligned()
             current = Bucket([], [])
         current.add(name, tensor)

@@ -48,7 +48,7 @@ from rollout.engine import EngineError, Generator, settle_prefix_cache
 from sao_megatron.core.backends import resolve_backend
 from sao_megatron.core.ports import free_port
 
-from .buckets import Bucket, broadcast_flat, create_sender_group, iter_buckets
+from .buckets import Bucket, broadcast_flat, create_sender_group, iter_buckets, mla_a_pairs
 from .fp8_blocks import SCALE_SUFFIX, Fp8Layout, quantize_stream
 from .calls import in_daemon_thread, payload_device, pinned, run_all, step_error
 from .receiver import WeightReceiver
@@ -166,7 +166,7 @@ class _EngineSync(WeightSync):
 
     async def push(self, named_tensors, version: int) -> None:
         await run_all(self._each(_require_reachable), "liveness check (/model_info)", self.cfg.timeout_s)
-        named = _cast(named_tensors, self.dtype)
+        named = mla_a_pairs(_cast(named_tensors, self.dtype))   # SGLang fuses them within one call
         await self._transfer(named if self.fp8 is None else quantize_stream(named, self.fp8), version)
 
     @abc.abstractmethod

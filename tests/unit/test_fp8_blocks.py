@@ -186,3 +186,38 @@ def engine_fp8_layout_for(path):
     from rollout.weights.fp8_blocks import layout_from_model_dir
 
     return layout_from_model_dir(path)
+
+
+def _mla_layer(layer: int):
+    g = torch.Generator().manual_seed(layer)
+    p = f"model.layers.{layer}.self_attn."
+    shapes = [("q_a_proj.weight", (48, 64)), ("q_a_layernorm.weight", (48,)), ("q_b_proj.weight", (96, 48)),
+              ("kv_a_proj_with_mqa.weight", (40, 64)), ("kv_a_layernorm.weight", (32,)), ("kv_b_proj.weight", (128, 32)),
+              ("o_proj.weight", (64, 64))]
+    return [(p + n, torch.randn(s, generator=g, dtype=torch.bfloat16)) for n, s in shapes]
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_mla_q_a_and_kv_a_projections_always_share_an_update_call(fp8):
+    """SGLang's DeepSeek loader fuses q_a_proj with kv_a_proj_with_mqa inside one load_weights call and
+    drops a half whose partner is in another call: whatever the bucket size, they travel together
+    (with their scales for an FP8 engine), and nothing else is lost or reordered across layers."""
+    from rollout.weights.buckets import mla_a_pairs
+
+    named = _mla_layer(0) + _mla_layer(1)
+    stream = list(mla_a_pairs(named))
+    assert sorted(n for n, _ in stream) == sorted(n for n, _ in named)
+    names = [n for n, _ in stream]
+    for layer in (0, 1):
+        q_a = names.index(f"model.layers.{layer}.self_attn.q_a_proj.weight")
+        assert names[q_a + 1] == f"model.layers.{layer}.self_attn.kv_a_proj_with_mqa.weight"
+    if fp8:
+        stream = list(quantize_stream(stream, Fp8Layout()))
+    for bucket_bytes in (1, 3000, 9000, 20000):
+        buckets = list(iter_buckets(stream, bucket_bytes))
+        for layer in (0, 1):
+            p = f"model.layers.{layer}.self_attn."
+            together = [p + "q_a_proj.weight", p + "kv_a_proj_with_mqa.weight"]
+            if fp8:
+                together += [scale_name(n) for n in together]
+            assert sum(all(n in b.names for n in together) for b in buckets) == 1, (bucket_bytes, layer)
