@@ -120,7 +120,7 @@ class Trainer:
             return "no checkpoint (this mode saves none)"
         latest = self.parts.checkpoints.checkpointer.latest()
         if saved:
-            return f"every rank saved the last completed step ({latest.name})"
+            return f"the last completed step is saved, by every rank ({latest.name})"
         kept = f"the previous checkpoint {latest.name} is kept" if latest else "no checkpoint exists yet"
         if not agreed:
             return f"no final checkpoint (a failure inside a collective cannot be agreed; the models may be " \

@@ -44,7 +44,8 @@ async def collect_until_stopped(batch: Awaitable) -> list | Stop:
     """The batch, or a `Stop` once a preemption signal arrives or the sample source fails.
 
     A failure of the sample source (rollout.driver.DriverError: all engines down, every sample
-    failing) becomes a Stop carrying its one line; any other exception is a bug and propagates.
+    failing) becomes a Stop carrying its one line; any other exception is a bug and propagates (with
+    several ranks the loop sends it on as a Stop naming rank 0, so the others leave share_batch too).
     """
     from rollout.engine_health import DriverError
 

@@ -4,7 +4,8 @@
 driver (rank 0, over a scripted engine) on the gloo group torch's env describes, with `FakePolicy` as
 the model. FAULT is `none`, or `<where>@<step>:<rank>`: that rank raises in its step `<step>` (1-based),
 `advantages` in the advantage computation (local: before the optimizer step, agreed), `update` inside
-the policy's train_step before its gradient all-reduce (a collective region: cannot be agreed). The rank
+the policy's train_step before its gradient all-reduce (a collective region: cannot be agreed),
+`collect` in rank 0's sample source (not a rollout failure: a bug; agreed through the batch broadcast). The rank
 prints `error: <line>` and exits 1 on a fault, as `sao train`'s ranks do (entry.run_rank), and writes
 what it trained to RUN_DIR/rank<r>.json.
 """
@@ -48,7 +49,7 @@ class FakePolicy:
         pass
 
 
-def build_trainer(run_dir: Path, steps: int, rank: int, world: int, policy, name: str = "agree"):
+def build_trainer(run_dir: Path, steps: int, rank: int, world: int, policy, name: str = "agree", before_batch=None):
     """The loop over a scripted engine (rank 0) and `policy`; returns (trainer, driver or None, collected
     batches: the uids of each batch rank 0 received, in order)."""
     from checkpoints.init_model import build_tokenizer
@@ -80,6 +81,8 @@ def build_trainer(run_dir: Path, steps: int, rank: int, world: int, policy, name
         get_batch = driver.get_batch
 
         async def recording(*args, **kw):
+            if before_batch:
+                before_batch()
             batch = await get_batch(*args, **kw)
             collected.append([s.uid for s in batch])
             return batch
@@ -106,7 +109,8 @@ def main(run_dir: str, steps: str, fault: str) -> int:
             raise RuntimeError(FAULT_TEXT.format(rank=env.rank, step=at))
 
     policy = FakePolicy(fail_in_update=inject if where == "update" else None)
-    trainer, driver, collected = build_trainer(Path(run_dir), int(steps), env.rank, env.world_size, policy)
+    trainer, driver, collected = build_trainer(Path(run_dir), int(steps), env.rank, env.world_size, policy,
+                                               before_batch=inject if where == "collect" else None)
     state_box["trainer"] = trainer
     if where == "advantages":
         real = loop_steps.compute_step_advantages

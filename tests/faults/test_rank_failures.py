@@ -8,6 +8,7 @@ Two gloo ranks run the real loop, checkpoints and rollout driver with a stand-in
 - inside the policy's train_step before its gradient all-reduce (a collective region): no agreement is
   possible; rank 1 exits, rank 0's all-reduce fails because rank 1 is gone, both exit 1 and the previous
   checkpoint (step 2) is what a resume gets.
+Rank 0's sample source failing (any error) stops every rank through the batch broadcast; all save.
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def test_rank_1_failing_before_the_update_is_agreed_every_rank_saves_and_the_res
         assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
         assert lines[0].startswith("error: rank 1 failed computing advantages: RuntimeError: injected fault in "
                                    "rank 1's step 4 (traceback: "), lines[0]
-        assert lines[0].endswith("every rank saved the last completed step (step_00000003)"), lines[0]
+        assert lines[0].endswith("the last completed step is saved, by every rank (step_00000003)"), lines[0]
     assert "Traceback" in (tmp_path / "agree" / "error.rank00001.txt").read_text()
     ckpt = root / "step_00000003"
     assert (root / "latest").read_text() == ckpt.name
@@ -120,6 +121,23 @@ def test_rank_1_failing_inside_a_collective_ends_both_ranks_and_keeps_the_previo
     RunCheckpointer(root, rank=0, world_size=1).verify_whole(root / "step_00000002")
 
 
+def test_rank_0s_sample_source_failing_with_a_bug_stops_every_rank_and_all_save(tmp_path):
+    """Not a rollout failure (those are Stops already): any error of rank 0's sample source travels to
+    the other ranks with the batch broadcast they wait in, so all of them save the last step."""
+    ranks = _run_ranks(tmp_path, 6, "collect@4:0", "first")
+    for code, stderr, _ in ranks:
+        assert code == 1, stderr[-3000:]
+        (line,) = _error_lines(stderr)
+        assert line.startswith("error: rank 0 failed collecting samples: RuntimeError: injected fault in rank 0's "
+                               "step 4 (traceback: ") and "Traceback" not in stderr, stderr[-3000:]
+    root = tmp_path / "agree" / "checkpoints"
+    assert (root / "latest").read_text() == "step_00000003"
+    RunCheckpointer(root, rank=0, world_size=1).verify_whole(root / "step_00000003")
+    batches = ranks[0][2]["collected"]
+    assert len(batches) == 3
+    assert_each_prompt_once(_load(root / "step_00000003", "driver", 0), sum(batches, []))
+
+
 def test_a_rank_failure_escaping_the_loop_is_one_line_and_exit_1(monkeypatch, capsys, tmp_path):
     import parallel.distributed as dist
     from sao_megatron.core.config.recipe import Recipe
@@ -128,7 +146,7 @@ def test_a_rank_failure_escaping_the_loop_is_one_line_and_exit_1(monkeypatch, ca
 
     failed = RankFailed([1, 3], "rank 1 failed computing advantages: KeyError: 'x' (traceback: /r/error.rank00001.txt)",
                         agreed=True)
-    failed.outcome = "every rank saved the last completed step (step_00000007)"
+    failed.outcome = "the last completed step is saved, by every rank (step_00000007)"
 
     async def failing_train(recipe, rank, world, verified=None):
         raise failed
@@ -141,4 +159,4 @@ def test_a_rank_failure_escaping_the_loop_is_one_line_and_exit_1(monkeypatch, ca
     assert entry.run_rank(recipe) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
         f"error: rank 1 failed computing advantages: KeyError: 'x' (traceback: /r/error.rank00001.txt) (rank(s) [3] "
-        f"failed too); every rank saved the last completed step (step_00000007) (run dir {recipe.run_dir})"]
+        f"failed too); the last completed step is saved, by every rank (step_00000007) (run dir {recipe.run_dir})"]
