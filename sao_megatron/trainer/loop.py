@@ -29,8 +29,8 @@ from sao_megatron.core.config import Recipe
 from sao_megatron.core.records import Sample, TrainBatch
 
 from . import steps
-from .batching import advantage_batch, gather_responses, pack_samples, with_advantages, with_counts
 from .agreement import ErrorAgreement, RankFailed
+from .batching import advantage_batch, gather_responses, pack_samples, with_advantages, with_counts
 from .checkpointing import StepStart, checkpoint_parts, report_resume, step_start_parts
 from .components import Components
 from .state import TrainerState, total_steps, warmup_steps
@@ -44,7 +44,7 @@ class Trainer:
         # One thread runs every model call, so the event loop keeps requests flowing meanwhile.
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="model", initializer=_enter_shim)
         self.consistent = False    # True from a finished step (or the resume) to the next model update
-        self.start: StepStart | None = None   # within a step, until its first model update
+        self.step_start: StepStart | None = None   # within a step, until its first model update
         self.stopped: CollectionStopped | None = None
         self.saved_at_stop = False   # whether a checkpoint of the last completed step exists after a stop
         self.preempted = False       # a preemption signal reached some rank (agreed at the step's end)
@@ -130,12 +130,12 @@ class Trainer:
     async def train_step(self) -> None:
         parts, state = self.parts, self.state
         started, version, stats = time.perf_counter(), state.version, {}
-        self.start = StepStart.take(state)
+        self.step_start = StepStart.take(state)
         samples = await self.collect()
-        self.start.batch = samples
+        self.step_start.batch = samples
         if parts.trains:
             batches, stats = await self.prepare(samples)
-            self.consistent, self.start = False, None   # the models change from here to the step's end
+            self.consistent, self.step_start = False, None   # the models change from here to the step's end
             stats |= await self.update_critic(batches)
             if state.step >= self.warmup:
                 stats |= await self.update_policy(batches)
@@ -143,7 +143,7 @@ class Trainer:
                 stats |= await parts.weights.sync(state.version + 1)
                 state.version += 1
         state.step += 1
-        self.consistent, self.start = True, None
+        self.consistent, self.step_start = True, None
         stats["perf/step_time_s"] = time.perf_counter() - started
         self.preempted = await self.agreed("logging the step", self.report, samples, version, stats)
         self.where = "saving a checkpoint"
@@ -158,8 +158,9 @@ class Trainer:
 
     async def save_last_completed_step(self) -> bool:
         """On a stop or a fatal error: save the last completed step unless the models are mid-update
-        (then the previous checkpoint stands), or a checkpoint of it exists already. Returns whether
-        a checkpoint of the last completed step exists now."""
+        (then the previous checkpoint stands), or a checkpoint of it exists already. Within a step, before
+        its first model update, that is the step's starting state (StepStart). Returns whether a
+        checkpoint of the last completed step exists now."""
         checkpoints, step = self.parts.checkpoints, self.state.step
         if not (self.consistent and checkpoints.saves):
             return False
@@ -167,8 +168,10 @@ class Trainer:
         if latest is not None and latest.name == f"{CHECKPOINT_PREFIX}{step:08d}":
             return True
         self.consistent = False    # a failure inside the save must not try again
-        parts = checkpoint_parts(self.parts, self.state) if self.start is None else step_start_parts(self.parts,
-                                                                                                       self.start)
+        if self.step_start is None:
+            parts = checkpoint_parts(self.parts, self.state)
+        else:
+            parts = step_start_parts(self.parts, self.step_start)
         self.where = "saving the last completed step"
         await checkpoints.maybe_save(step, True, parts)
         return True
@@ -208,6 +211,7 @@ class Trainer:
         return await self.agreed("computing advantages", self.advantages, samples, packed, raw)
 
     def advantages(self, samples: list[Sample], packed, raw_values):
+        """Advantages and returns into the packed batches (packing them first when no critic did)."""
         packed = packed or pack_samples(samples, self.recipe.parallel.micro_batch_tokens)
         values = None if raw_values is None else gather_responses(packed, raw_values)
         inputs = advantage_batch(samples, values, self.state.baseline)
