@@ -60,6 +60,7 @@ def plan_input_from_recipe(recipe, gpus: int = 0, gpu: str = "h100", **options) 
                      sequence_tokens=roll.max_prompt_len + roll.max_new_tokens, max_in_flight=roll.max_in_flight,
                      bucket_bytes=recipe.weight_sync.bucket_mb * 2 ** 20,
                      max_sender_bytes=recipe.weight_sync.max_sender_mb * 2 ** 20,
+                     sync_method=recipe.weight_sync.method, shard_senders=recipe.weight_sync.shard_senders,
                      **{"critic_placement": recipe.critic.placement, **options})
 
 

@@ -35,6 +35,8 @@ class PlanInput:
     max_in_flight: int = 0            # requests in flight over all engines
     bucket_bytes: float = 64 * 2 ** 20  # weight_sync.bucket_mb: the weight-sync sender's bucket
     max_sender_bytes: float = 32768 * 2 ** 20  # weight_sync.max_sender_mb: the bound on the sender's memory
+    sync_method: str = "broadcast"    # weight_sync.method: what the sender holds (sender_memory)
+    shard_senders: int = 2            # weight_sync.shard_senders: shard_writes lanes
 
 
 @dataclass

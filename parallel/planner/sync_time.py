@@ -130,12 +130,14 @@ def sync_time(inp, transport: str = "broadcast", bucket_bytes: float = 2 ** 30, 
 @dataclass(frozen=True)
 class SenderMemory:
     """Bytes a weight-sync sender holds on its GPU during a sync, beyond its own model shards: what the
-    streamed export and the send path need (sao_megatron/core/config/sender_budget.py), capped by
-    weight_sync.max_sender_mb (a recipe whose bound is below the need is refused: `refused`)."""
+    streamed export and the recipe's send method need (sao_megatron/core/config/sender_budget.py),
+    capped by weight_sync.max_sender_mb (a recipe whose bound is below the need is refused: `refused`)."""
 
-    buffers: float    # two reused flat payloads of max(bucket, largest tensor)
-    buckets: float    # the bucket being filled + one held-back run of routed-expert tensors
-    gather: float     # the tensor being gathered (TP pieces + merged: 2x) + the previous one's waiting HF parts
+    buffers: float    # flat payloads of max(bucket, largest tensor): two (broadcast), two per lane (shard_writes)
+    buckets: float    # broadcast: the bucket being filled + one held-back expert run; shard_writes: three per
+                      # lane + one pending per engine TP rank; disk: the shard being filled
+    gather: float     # the tensor being gathered (TP pieces + merged: 2x) + the previous one's waiting HF parts,
+                      # and with FP8 engines the quantizer's float8 copy, scales and float32 temporaries
     bound: float      # weight_sync.max_sender_mb in bytes
 
     @property
@@ -153,10 +155,13 @@ class SenderMemory:
 
 def sender_memory(inp, bucket_bytes: float, bound: float = float("inf")) -> SenderMemory:
     """The export streams (parallel/weights.py): a Megatron tensor is gathered over TP at the turn of its
-    first HF name and sent in buckets, so the sender holds flat buffers, buckets and about three times
-    the largest tensor, whatever the stage's size; in the trainer's dtype (the export's)."""
+    first HF name and sent in buckets (or shards, or per-rank slices), so the sender holds flat buffers,
+    buckets and about three times the largest tensor, whatever the stage's size; in the trainer's dtype
+    (the export's)."""
     from sao_megatron.core.config.sender_budget import sender_need
 
     element_bytes = 4 if inp.train.dtype == "fp32" else 2
-    need = sender_need(inp.cfg, bucket_bytes, element_bytes, inp.layout.tp)
-    return SenderMemory(need.buffers, need.buckets, need.gather, bound)
+    targets = max((inp.rollout_gpus or inp.gpus) // max(inp.engine.tp, 1), 1) * inp.engine.tp
+    need = sender_need(inp.cfg, bucket_bytes, element_bytes, inp.layout.tp, inp.sync_method,
+                       bool(inp.engine.fp8_weights), min(inp.shard_senders, targets), targets)
+    return SenderMemory(need.buffers, need.buckets, need.gather + need.quantize, bound)

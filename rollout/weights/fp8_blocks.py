@@ -43,6 +43,8 @@ E4M3_MAX = 448.0                  # torch.finfo(torch.float8_e4m3fn).max
 SCALE_SUFFIX = "_scale_inv"       # `X.weight` -> `X.weight_scale_inv`
 WIRE_DTYPE = torch.float8_e4m3fn
 SCALE_DTYPE = torch.float32
+TEMP_BYTES = 8                    # float32 bytes per element the quantizer holds at once (two float32 copies)
+CHUNK_TEMP_BYTES = 64 * 2 ** 20   # bound on those temporaries unless one block row is larger (sender_budget.py)
 
 # HF names of the linear weights SGLang quantizes in a block-FP8 model of our families
 # (Qwen3-MoE, GLM-4.5, GLM-5 / DeepSeek-V3 MLA); group "module" is the module prefix.
@@ -59,10 +61,29 @@ def scale_name(name: str) -> str:
     return name + SCALE_SUFFIX
 
 
-def quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q float8_e4m3fn [n, k], scale float32 [ceil(n/bn), ceil(k/bk)]) with weight ~= q * scale per block."""
+def quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int] = BLOCK,
+                       max_temp_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q float8_e4m3fn [n, k], scale float32 [ceil(n/bn), ceil(k/bk)]) with weight ~= q * scale per block.
+
+    Chunks of whole block rows, so the float32 temporaries (TEMP_BYTES per element: the float32 copy and
+    its quotient, or its abs) stay within max(max_temp_bytes, one block row) (default CHUNK_TEMP_BYTES),
+    as the weight-sync sender's bound counts them (sao_megatron/core/config/sender_budget.py). No block
+    straddles a chunk, so q and scale are the bytes one pass over the whole tensor makes."""
     if weight.dim() != 2:
         raise ValueError(f"block FP8 needs a 2-D weight, got shape {tuple(weight.shape)}")
+    (n, k), (bn, bk) = weight.shape, block
+    rows, cols = -(-n // bn), -(-k // bk)
+    budget = CHUNK_TEMP_BYTES if max_temp_bytes is None else max_temp_bytes
+    step = max(1, int(budget // (TEMP_BYTES * bn * cols * bk)))
+    q = torch.empty(n, k, dtype=WIRE_DTYPE, device=weight.device)
+    scale = torch.empty(rows, cols, dtype=SCALE_DTYPE, device=weight.device)
+    for r in range(0, rows, step):
+        _quantize_rows(weight[r * bn: (r + step) * bn], q[r * bn: (r + step) * bn], scale[r: r + step], block)
+    return q, scale
+
+
+def _quantize_rows(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> None:
+    """One chunk of block rows of quantize_block_fp8, written into q and scale."""
     (n, k), (bn, bk) = weight.shape, block
     rows, cols = -(-n // bn), -(-k // bk)
     x = weight.detach().to(torch.float32)
@@ -72,10 +93,10 @@ def quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> 
     amax = tiles.abs().amax(dim=(1, 3))
     if not torch.isfinite(amax).all():
         raise ValueError("weight has inf or nan values; FP8 blocks cannot carry them")
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    q = (tiles / scale[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)   # amax / scale may round past 448
-    q = q.view(rows * bn, cols * bk)[:n, :k].to(WIRE_DTYPE).contiguous()
-    return q, scale.to(SCALE_DTYPE)
+    block_scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scaled = (tiles / block_scale[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)   # amax / scale may round past 448
+    q.copy_(scaled.view(rows * bn, cols * bk)[:n, :k])
+    scale.copy_(block_scale)
 
 
 def dequantize_block_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
@@ -144,17 +165,20 @@ def layout_from_model_dir(path: str | Path) -> Fp8Layout:
     return layout_from_quantization_config(json.loads(config_path.read_text()), str(config_path))
 
 
-def quantize_stream(named: Iterable[tuple[str, torch.Tensor]], layout: Fp8Layout) -> Iterator[tuple[str, torch.Tensor]]:
+def quantize_stream(named: Iterable[tuple[str, torch.Tensor]], layout: Fp8Layout,
+                    max_temp_bytes: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Each FP8-held weight becomes (name, float8 blocks) immediately followed by (name_scale_inv,
-    float32 scales); every other tensor passes unchanged (bf16 as exported)."""
+    float32 scales); every other tensor passes unchanged (bf16 as exported). The quantizer's float32
+    temporaries stay within max(max_temp_bytes, one block row) (quantize_block_fp8; default CHUNK_TEMP_BYTES)."""
     for name, tensor in named:
         if not layout.holds_fp8(name):
             yield name, tensor
             continue
         try:
-            q, scale = quantize_block_fp8(tensor, layout.block)
+            q, scale = quantize_block_fp8(tensor, layout.block, max_temp_bytes)
         except ValueError as err:
             raise ValueError(f"weight {name!r}: {err}") from None
+        del tensor   # the export's copy need not wait while its blocks travel
         yield name, q
         yield scale_name(name), scale
 

@@ -3,7 +3,10 @@
 A broadcast sends every byte to every engine rank: an engine of N GPUs takes in N times the model.
 Here the engine ranks are split among `senders` lanes; lane k forms its own group (k's thread is
 rank 0, its engine ranks 1..) and sends each of its ranks, in buckets, the slice that rank holds
-(shard_plan.py), over the wire of shard_wire.py. The lanes run in parallel, each on its own group,
+(shard_plan.py), over the wire of shard_wire.py. Memory: the export streams; a lane holds two flat
+buffers, QUEUE_DEPTH queued buckets and the one it flattens, and each of its ranks one pending bucket
+of copied slices (a tensor above the bucket alone), which weight_sync.max_sender_mb counts
+(sao_megatron/core/config/sender_budget.py). The lanes run in parallel, each on its own group,
 so the ranks of one engine receive at once instead of one broadcast after another; in a real
 deployment each lane is a trainer GPU with its own link.
 
@@ -37,7 +40,7 @@ from .shard_plan import shard_of
 from .shard_wire import CLOSE, END, recv_ack, send_bucket, send_control
 from .sync import _engine_ranks, _SessionSync, sender_address
 
-QUEUE_DEPTH = 2     # buckets a lane may have sliced ahead of its wire: its memory bound beyond the export
+QUEUE_DEPTH = 2     # buckets a lane may have sliced ahead of its wire (sender_budget.SHARD_QUEUED counts them + 1)
 
 
 @dataclass(frozen=True)
@@ -82,9 +85,13 @@ class _Lane:
         self.failed = threading.Event()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Producer side: each target's slice of one tensor into that target's bucket."""
+        """Producer side: each target's slice of one tensor into that target's bucket. A slice is copied
+        out: a view would keep the whole gathered tensor alive for as long as its bucket waits, so each
+        pending bucket would pin up to tp times its own bytes (weight_sync.max_sender_mb counts slices)."""
         for j, target in enumerate(self.targets):
             piece = shard_of(name, tensor, target.tp, target.rank)
+            if piece is not tensor:
+                piece = piece.clone(memory_format=torch.contiguous_format)
             bucket = self.pending[j]
             if bucket.names and bucket.nbytes + piece.numel() * piece.element_size() > self.bucket_bytes:
                 self._put((j, bucket.aligned()))

@@ -314,6 +314,8 @@ class BroadcastWeightSync(_SessionSync):
 
 class DiskWeightSync(_EngineSync):
     """HF shards under disk_dir/v<version>, loaded by every engine; older versions are deleted.
+    Shards of weight_sync.bucket_mb (a larger tensor alone): the sender holds one shard at a time
+    (weight_sync.max_sender_mb counts it, sender_budget.py).
     No session (SGLang's disk load needs none, and end_weight_update after it would post-process the
     loaded weights a second time); flush_cache=False, the window settles the cache."""
 
@@ -327,7 +329,7 @@ class DiskWeightSync(_EngineSync):
         from checkpoints.hf_io import save_hf_checkpoint
 
         path = self.disk_dir / f"v{version}"
-        await asyncio.to_thread(save_hf_checkpoint, path, named_tensors, self.aux_from)
+        await asyncio.to_thread(save_hf_checkpoint, path, named_tensors, self.aux_from, self.cfg.bucket_mb)
         await run_all(self._each(lambda e: e.update_weights_from_disk(str(path), version, flush_cache=False)),
                       f"update_weights_from_disk({path})", self.cfg.timeout_s)
         old = sorted((p for p in self.disk_dir.glob("v*") if p != path and p.name[1:].isdigit()),

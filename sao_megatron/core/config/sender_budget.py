@@ -9,6 +9,15 @@ first HF name, so beyond its own shards a broadcast sender holds at most
   tensors (at most one bucket: rollout/weights/sync.py non_expert_first);
 - gather: the tensor being gathered, twice (its TP pieces and the merged tensor, or the merged tensor
   and its HF parts: q/k/v, gate/up), plus the HF tensors of the one before still waiting for their turn.
+The other senders stream the same export and hold instead
+- shard_writes (rollout/weights/sharded.py): per lane two flat buffers and three buckets of slices (two
+  queued, one being flattened), plus one pending bucket per engine TP rank; a slice is copied out of
+  its tensor, so a pending bucket never pins a whole gathered tensor;
+- disk (DiskWeightSync): the shard being filled, of weight_sync.bucket_mb (safetensors >= 0.8 writes
+  from the tensors' own memory, no serialized copy); on a GPU trainer that shard is host memory;
+- FP8 engines (rollout.engine_fp8): the float8 copy of the tensor being quantized and its scales,
+  plus float32 temporaries of at most max(64 MiB, one 128-row block row) (fp8_blocks.py).
+A tensor above the bucket travels alone in every method (a bucket, a shard, a pending slice bucket).
 It lives in the bottom layer because the recipe check (recipe.py) runs it against config.json; the
 planner (parallel/planner/sync_time.py) prints the same numbers.
 """
@@ -22,6 +31,10 @@ from .errors import ConfigError
 
 MIB = 2 ** 20
 VOCAB_PAD_MULTIPLE = 128   # as parallel/specs.py pads the vocabulary (times tp when tp does not divide it)
+FP8_BLOCK = 128            # rollout/weights/fp8_blocks.py BLOCK (rows and columns)
+FP8_TEMP_BYTES = 8         # float32 bytes per element the quantizer holds at once (fp8_blocks.TEMP_BYTES)
+FP8_TEMP_CHUNK = 64 * MIB  # its bound on them, unless one block row is larger (fp8_blocks.CHUNK_TEMP_BYTES)
+SHARD_QUEUED = 3           # a shard-writes lane's buckets of slices: QUEUE_DEPTH queued + one being flattened
 
 
 def _padded_vocab(vocab: int, tp: int) -> int:
@@ -34,55 +47,101 @@ def largest_tensor_elements(hf: Mapping[str, Any], tp: int = 1) -> int:
     a fused projection (qkv, or MLA's q_b/kv_b), a fused gate+up (dense, shared or one routed expert),
     a down or output projection, or the router."""
     h = int(hf.get("hidden_size") or 0)
+    experts = max(int(hf.get(k) or 0) for k in ("n_routed_experts", "num_experts", "num_local_experts"))
+    return max(_padded_vocab(int(hf.get("vocab_size") or 0), tp) * h, experts * h, largest_linear_elements(hf))
+
+
+def largest_linear_elements(hf: Mapping[str, Any]) -> int:
+    """Elements of the largest attention or MLP projection (fused qkv and gate+up counted whole): the
+    largest tensor an FP8 engine's quantizer sees (embeddings, head and router stay bf16)."""
+    h = int(hf.get("hidden_size") or 0)
     heads = int(hf.get("num_attention_heads") or 1)
     kv = int(hf.get("num_key_value_heads") or heads)
     head_dim = int(hf.get("head_dim") or h // max(heads, 1))
-    sizes = [_padded_vocab(int(hf.get("vocab_size") or 0), tp) * h]
     if hf.get("kv_lora_rank"):
         nope, rope, v = (int(hf.get(k) or 0) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
         q_rank, kv_rank = int(hf.get("q_lora_rank") or h), int(hf["kv_lora_rank"])
-        sizes += [q_rank * heads * (nope + rope), kv_rank * heads * (nope + v), heads * v * h,
-                  h * q_rank, h * (kv_rank + rope)]
+        sizes = [q_rank * heads * (nope + rope), kv_rank * heads * (nope + v), heads * v * h,
+                 h * q_rank, h * (kv_rank + rope)]
     else:
-        sizes += [(heads + 2 * kv) * head_dim * h, heads * head_dim * h]
+        sizes = [(heads + 2 * kv) * head_dim * h, heads * head_dim * h]
     ffn = [int(hf.get(k) or 0) for k in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")]
     ffn.append(int(hf.get("n_shared_experts") or 0) * int(hf.get("moe_intermediate_size") or 0))
-    sizes += [2 * f * h for f in ffn]
-    experts = max(int(hf.get(k) or 0) for k in ("n_routed_experts", "num_experts", "num_local_experts"))
-    sizes.append(experts * h)
-    return max(sizes)
+    return max(sizes + [2 * f * h for f in ffn])
+
+
+def widest_row_elements(hf: Mapping[str, Any]) -> int:
+    """The largest input dimension of a linear layer the FP8 quantizer sees (its block row's width)."""
+    h = int(hf.get("hidden_size") or 0)
+    heads = int(hf.get("num_attention_heads") or 1)
+    head_dim = int(hf.get("head_dim") or h // max(heads, 1))
+    dims = [h, heads * head_dim, heads * int(hf.get("v_head_dim") or 0)]
+    dims += [int(hf.get(k) or 0) for k in ("intermediate_size", "moe_intermediate_size", "q_lora_rank",
+                                           "kv_lora_rank", "shared_expert_intermediate_size")]
+    dims.append(int(hf.get("n_shared_experts") or 0) * int(hf.get("moe_intermediate_size") or 0))
+    return -(-max(dims) // FP8_BLOCK) * FP8_BLOCK
+
+
+def fp8_quantize_bytes(hf: Mapping[str, Any]) -> float:
+    """The quantizer's own memory for the largest projection (largest_linear_elements): its float8 copy
+    (1 byte per element), the float32 scales (ceil(n/128) * ceil(k/128) <= n*k/128 + k; the chunk's
+    amax and masks fit there too) and the float32 temporaries of one chunk of block rows
+    (fp8_blocks.quantize_block_fp8: at most max(64 MiB, one block row of the widest input))."""
+    elements = largest_linear_elements(hf)
+    width = widest_row_elements(hf)
+    scales = 4 * (elements // FP8_BLOCK + width + 1)
+    return elements + scales + max(FP8_TEMP_CHUNK, FP8_TEMP_BYTES * FP8_BLOCK * width)
 
 
 @dataclass(frozen=True)
 class SenderNeed:
-    """Bytes a broadcast sender holds during a push beyond its own model shards (module docstring)."""
+    """Bytes a weight-sync sender holds during a push beyond its own model shards (module docstring)."""
 
     buffers: float
     buckets: float
     gather: float
     largest: float    # the largest single tensor, bytes
+    quantize: float = 0.0   # FP8 engines: the float8 copy, scales and float32 temporaries
 
     @property
     def total(self) -> float:
-        return self.buffers + self.buckets + self.gather
+        return self.buffers + self.buckets + self.gather + self.quantize
 
 
-def sender_need(hf: Mapping[str, Any], bucket_bytes: float, element_bytes: int, tp: int = 1) -> SenderNeed:
+def sender_need(hf: Mapping[str, Any], bucket_bytes: float, element_bytes: int, tp: int = 1,
+                method: str = "broadcast", fp8: bool = False, lanes: int = 1, targets: int = 1) -> SenderNeed:
+    """`lanes` and `targets` (engine TP ranks) count for shard_writes only."""
     largest = largest_tensor_elements(hf, tp) * element_bytes
     payload = max(bucket_bytes, largest)
-    return SenderNeed(buffers=2 * payload, buckets=payload + bucket_bytes, gather=3 * largest, largest=largest)
+    quantize = fp8_quantize_bytes(hf) if fp8 else 0.0
+    if method == "shard_writes":
+        return SenderNeed(buffers=2 * lanes * payload, buckets=(SHARD_QUEUED * lanes + targets) * payload,
+                          gather=3 * largest, largest=largest, quantize=quantize)
+    if method == "disk":
+        return SenderNeed(buffers=0.0, buckets=payload, gather=3 * largest, largest=largest, quantize=quantize)
+    return SenderNeed(buffers=2 * payload, buckets=payload + bucket_bytes, gather=3 * largest, largest=largest,
+                      quantize=quantize)
+
+
+def recipe_sender_need(recipe, hf: Mapping[str, Any]) -> SenderNeed:
+    """sender_need for the recipe's method, dtype, engines and FP8 setting."""
+    ws, roll = recipe.weight_sync, recipe.rollout
+    targets = (len(roll.engine_urls) or roll.num_engines) * roll.engine_tp
+    return sender_need(hf, ws.bucket_mb * MIB, 4 if recipe.model.dtype == "fp32" else 2, recipe.parallel.tp,
+                       ws.method, bool(roll.engine_fp8), min(ws.shard_senders, targets), targets)
 
 
 def check_sender_budget(recipe, hf: Mapping[str, Any]) -> SenderNeed:
-    """Refuse a weight_sync.max_sender_mb below what the streamed export and the broadcast send need."""
+    """Refuse a weight_sync.max_sender_mb below what the streamed export and the recipe's send method
+    (broadcast, shard_writes or disk; FP8 quantization included) need."""
     ws = recipe.weight_sync
-    element_bytes = 4 if recipe.model.dtype == "fp32" else 2
-    need = sender_need(hf, ws.bucket_mb * MIB, element_bytes, recipe.parallel.tp)
-    if ws.method == "broadcast" and ws.max_sender_mb * MIB < need.total:
+    need = recipe_sender_need(recipe, hf)
+    if ws.max_sender_mb * MIB < need.total:
+        fp8 = f" + FP8 quantizing {need.quantize / MIB:.1f}" if need.quantize else ""
         raise ConfigError("weight_sync.max_sender_mb",
-                          f"{ws.max_sender_mb:g} MiB is below what the sender needs during a push: "
+                          f"{ws.max_sender_mb:g} MiB is below what the {ws.method} sender needs during a push: "
                           f"{need.total / MIB:.1f} MiB (flat buffers {need.buffers / MIB:.1f} + buckets "
                           f"{need.buckets / MIB:.1f} + gathering the largest tensor, "
-                          f"{need.largest / MIB:.1f} MiB, {need.gather / MIB:.1f})",
+                          f"{need.largest / MIB:.1f} MiB, {need.gather / MIB:.1f}{fp8})",
                           f"raise it to at least {math.ceil(need.total / MIB)} or lower weight_sync.bucket_mb")
     return need

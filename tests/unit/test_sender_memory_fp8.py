@@ -1,0 +1,122 @@
+"""The FP8 quantizer's memory (issue 17.5): quantize_block_fp8 works in chunks of whole 128-row block
+rows, so its float32 temporaries stay within max(max_temp_bytes, one block row) instead of about 8
+bytes per element of the whole tensor, and its output is the same bytes as one pass; the disk sender
+with an FP8 layout holds at most what weight_sync.max_sender_mb counts for it (sender_budget.py).
+
+Peaks are bench/parallel.py's LiveTensorPeak (tensors created under the mode; the input is not)."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from bench.parallel import LiveTensorPeak
+from rollout.weights import fp8_blocks
+from rollout.weights.fp8_blocks import BLOCK, TEMP_BYTES, Fp8Layout, quantize_block_fp8, quantize_stream
+from sao_megatron.core.config import sender_budget
+from sao_megatron.core.config.sender_budget import MIB, sender_need
+
+MB = 2 ** 20
+
+
+class _Into(LiveTensorPeak):
+    """A worker thread's mode that counts into the push's mode (one peak over every thread)."""
+
+    def __init__(self, parent: LiveTensorPeak):
+        super().__init__()
+        self.parent = parent
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.parent.__torch_dispatch__(func, types, args, kwargs)
+
+
+def _weight(n: int, k: int, dtype=torch.bfloat16) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(3)).to(dtype)
+
+
+@pytest.mark.parametrize("shape", [(1024, 2048), (1000, 1900)])   # whole blocks, and short last blocks
+def test_chunked_quantization_is_bit_identical_and_its_temporaries_stay_within_one_chunk(shape):
+    """Measured (1024 x 2048 bf16): 4.2 MB in chunks of one block row, 18.9 MB in one pass."""
+    n, k = shape
+    w = _weight(n, k)
+    whole_q, whole_scale = quantize_block_fp8(w, max_temp_bytes=1 << 40)   # one pass over the tensor
+    with LiveTensorPeak() as unchunked:
+        quantize_block_fp8(w, max_temp_bytes=1 << 40)
+    budget = MB
+    with LiveTensorPeak() as chunked:
+        q, scale = quantize_block_fp8(w, max_temp_bytes=budget)
+    assert torch.equal(q.view(torch.uint8), whole_q.view(torch.uint8)) and torch.equal(scale, whole_scale)
+    padded_k = -(-k // BLOCK[1]) * BLOCK[1]
+    one_block_row = TEMP_BYTES * BLOCK[0] * padded_k          # 2 MiB here: above the 1 MiB budget
+    outputs = n * k + scale.numel() * 4
+    assert chunked.peak <= outputs + max(budget, one_block_row) + 4 * scale.numel() * 4   # amax, masks
+    # the whole tensor's float32 copy and quotient (about 8 bytes per element) are gone
+    assert unchunked.peak >= outputs + TEMP_BYTES * n * k
+    assert chunked.peak < unchunked.peak / 3
+
+
+def test_budget_counts_the_quantizers_copy_scales_and_one_chunk():
+    cfg = {"hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
+           "vocab_size": 50000, "intermediate_size": 4096}
+    assert sender_budget.largest_linear_elements(cfg) == 2 * 4096 * 1024             # fused gate+up
+    assert sender_budget.widest_row_elements(cfg) == 4096                            # down_proj's input
+    assert sender_budget.FP8_TEMP_CHUNK == fp8_blocks.CHUNK_TEMP_BYTES
+    assert sender_budget.FP8_TEMP_BYTES == TEMP_BYTES and sender_budget.FP8_BLOCK == BLOCK[0]
+    quantize = sender_budget.fp8_quantize_bytes(cfg)
+    assert 2 * 4096 * 1024 + fp8_blocks.CHUNK_TEMP_BYTES < quantize < 2 * 4096 * 1024 * 1.05 + 64 * MIB
+    plain = sender_need(cfg, 64 * MIB, 2)
+    with_fp8 = sender_need(cfg, 64 * MIB, 2, fp8=True)
+    assert with_fp8.total - plain.total == quantize == with_fp8.quantize
+
+
+def _disk_push_peak(model_dir, tmp_path, monkeypatch, bucket_mb: float) -> tuple[int, dict, dict]:
+    """Push the tiny model's tensors, each made anew at its turn (as the export gathers it), through
+    DiskWeightSync with an FP8 layout to a loopback engine; the writing thread is counted."""
+    from safetensors.torch import load_file
+
+    import checkpoints.hf_io as hf_io
+    from checkpoints.hf_io import HFCheckpoint
+    from rollout.weights.loopback_engine import LoopbackEngine
+    from rollout.weights.sync import DiskWeightSync
+    from sao_megatron.core.config import WeightSyncConfig
+
+    hf = load_file(f"{model_dir}/model.safetensors")
+    mode, save = LiveTensorPeak(), hf_io.save_hf_checkpoint
+
+    def counted(*args):
+        with _Into(mode):
+            return save(*args)
+
+    monkeypatch.setattr(hf_io, "save_hf_checkpoint", counted)
+
+    async def push():
+        engine = LoopbackEngine("e0")
+        try:
+            sync = DiskWeightSync(WeightSyncConfig(method="disk", bucket_mb=bucket_mb, timeout_s=120), [engine],
+                                  tmp_path / "weights", fp8=Fp8Layout())
+            with mode:
+                await sync.push(((n, t.clone()) for n, t in hf.items()), version=1)
+            assert await engine.weight_version() == 1
+        finally:
+            await engine.close()
+
+    asyncio.run(push())
+    written = dict(HFCheckpoint(tmp_path / "weights" / "v1"))
+    return mode.peak, hf, written
+
+
+def test_disk_sender_with_fp8_holds_at_most_what_max_sender_mb_counts(tiny_model_dir, tmp_path, monkeypatch):
+    """Measured 0.18 MB against the bound 0.41 MB (the quantizer's chunk cut to one 128-row block row)."""
+    monkeypatch.setattr(fp8_blocks, "CHUNK_TEMP_BYTES", 1)        # one block row per chunk: the tight case
+    monkeypatch.setattr(sender_budget, "FP8_TEMP_CHUNK", 1)
+    bucket_mb = 0.01
+    peak, hf, written = _disk_push_peak(tiny_model_dir, tmp_path, monkeypatch, bucket_mb)
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    need = sender_need(cfg, bucket_mb * MIB, element_bytes=4, method="disk", fp8=True)
+    expected = dict(quantize_stream(hf.items(), Fp8Layout()))
+    assert written.keys() == expected.keys() and any(t.dtype == fp8_blocks.WIRE_DTYPE for t in written.values())
+    assert all(torch.equal(written[n].view(torch.uint8), t.view(torch.uint8)) for n, t in expected.items())
+    assert 0 < peak <= need.total
+    assert peak < sum(t.numel() * t.element_size() for t in hf.values()) / 3
