@@ -272,9 +272,10 @@ class WeightSyncConfig:
     shard_senders: int = doc(2, "shard_writes: parallel sender lanes, each on its own group, the engine ranks "
                                 "dealt out among them.", bounds=">= 1")
     max_sender_mb: float = doc(
-        32768.0, "Bound on what a broadcast sender holds during a push beyond its model shards (flat buffers, "
-        "buckets, the tensor being gathered); the recipe check refuses one below what streaming needs for the "
-        "model (docs/weights.md, Sender memory).", bounds="> 0")
+        32768.0, "Bound on what a weight sender holds during a push beyond its model shards, for every method "
+        "(broadcast, shard_writes lanes, disk shards; flat buffers, buckets, the tensor being gathered, FP8 "
+        "quantizing); the recipe check refuses one below what streaming needs for the model and method "
+        "(docs/weights.md, Sender memory).", bounds="> 0")
     senders: Literal["per_stage", "driver"] = doc(
         "per_stage", "broadcast with pipeline parallelism: each stage's first rank sends its own layers "
         "on its own group (per_stage), or every stage gathers to rank 0, the one sender (driver).")
