@@ -173,6 +173,18 @@ class LiveTensorPeak(TorchDispatchMode):
         return out
 
 
+class CountInto(LiveTensorPeak):
+    """A worker thread's mode that counts into another mode (one peak over every thread of a push):
+    dispatch modes are per thread, so each thread the push starts enters its own CountInto(parent)."""
+
+    def __init__(self, parent: LiveTensorPeak):
+        super().__init__()
+        self.parent = parent
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.parent.__torch_dispatch__(func, types, args, kwargs)
+
+
 def live_tensor_peak(model, step) -> dict:
     """Peak bytes of tensors `step()` allocates (LiveTensorPeak): during forward and backward (up to
     the optimizer's prepare_grads call) and over the whole step."""

@@ -6,11 +6,11 @@ with an FP8 layout holds at most what weight_sync.max_sender_mb counts for it (s
 Peaks are bench/parallel.py's LiveTensorPeak (tensors created under the mode; the input is not)."""
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 import torch
+from disk_push import disk_push_peak
 
 from bench.parallel import LiveTensorPeak
 from rollout.weights import fp8_blocks
@@ -19,17 +19,6 @@ from sao_megatron.core.config import sender_budget
 from sao_megatron.core.config.sender_budget import MIB, sender_need
 
 MB = 2 ** 20
-
-
-class _Into(LiveTensorPeak):
-    """A worker thread's mode that counts into the push's mode (one peak over every thread)."""
-
-    def __init__(self, parent: LiveTensorPeak):
-        super().__init__()
-        self.parent = parent
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self.parent.__torch_dispatch__(func, types, args, kwargs)
 
 
 def _weight(n: int, k: int, dtype=torch.bfloat16) -> torch.Tensor:
@@ -72,39 +61,15 @@ def test_budget_counts_the_quantizers_copy_scales_and_one_chunk():
 
 
 def _disk_push_peak(model_dir, tmp_path, monkeypatch, bucket_mb: float) -> tuple[int, dict, dict]:
-    """Push the tiny model's tensors, each made anew at its turn (as the export gathers it), through
-    DiskWeightSync with an FP8 layout to a loopback engine; the writing thread is counted."""
-    from safetensors.torch import load_file
-
-    import checkpoints.hf_io as hf_io
+    """The disk push (tests/unit/disk_push.py) with an FP8 layout; returns what it wrote too."""
     from checkpoints.hf_io import HFCheckpoint
-    from rollout.weights.loopback_engine import LoopbackEngine
-    from rollout.weights.sync import DiskWeightSync
-    from sao_megatron.core.config import WeightSyncConfig
 
-    hf = load_file(f"{model_dir}/model.safetensors")
-    mode, save = LiveTensorPeak(), hf_io.save_hf_checkpoint
+    async def landed(engine):
+        assert await engine.weight_version() == 1
 
-    def counted(*args):
-        with _Into(mode):
-            return save(*args)
-
-    monkeypatch.setattr(hf_io, "save_hf_checkpoint", counted)
-
-    async def push():
-        engine = LoopbackEngine("e0")
-        try:
-            sync = DiskWeightSync(WeightSyncConfig(method="disk", bucket_mb=bucket_mb, timeout_s=120), [engine],
-                                  tmp_path / "weights", fp8=Fp8Layout())
-            with mode:
-                await sync.push(((n, t.clone()) for n, t in hf.items()), version=1)
-            assert await engine.weight_version() == 1
-        finally:
-            await engine.close()
-
-    asyncio.run(push())
-    written = dict(HFCheckpoint(tmp_path / "weights" / "v1"))
-    return mode.peak, hf, written
+    peak, hf, _ = disk_push_peak(model_dir, tmp_path / "weights", monkeypatch, bucket_mb, fp8=Fp8Layout(),
+                                 after=landed)
+    return peak, hf, dict(HFCheckpoint(tmp_path / "weights" / "v1"))
 
 
 def test_disk_sender_with_fp8_holds_at_most_what_max_sender_mb_counts(tiny_model_dir, tmp_path, monkeypatch):

@@ -16,20 +16,9 @@ from dataclasses import replace
 
 import pytest
 
-from bench.parallel import LiveTensorPeak
+from bench.parallel import CountInto, LiveTensorPeak
 from sao_megatron.core.config import ConfigError
 from sao_megatron.core.config.sender_budget import MIB, SHARD_QUEUED, sender_need
-
-
-class _Into(LiveTensorPeak):
-    """A worker thread's mode that counts into the push's mode (one peak over every thread)."""
-
-    def __init__(self, parent: LiveTensorPeak):
-        super().__init__()
-        self.parent = parent
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self.parent.__torch_dispatch__(func, types, args, kwargs)
 
 
 @pytest.mark.parametrize("bucket_mb", [0.01, 0.1])
@@ -47,7 +36,7 @@ def test_shard_writes_sender_peak_stays_within_the_bound(bucket_mb, tiny_model_d
     mode = LiveTensorPeak()
 
     def counted(device, fn, *args):
-        with _Into(mode):
+        with CountInto(mode):
             return calls.pinned(device, fn, *args)
 
     monkeypatch.setattr(sharded, "pinned", counted)

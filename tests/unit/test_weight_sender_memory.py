@@ -14,24 +14,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from bench.parallel import LiveTensorPeak
+from bench.parallel import CountInto, LiveTensorPeak
 from parallel.distributed import run_distributed_test
 from sao_megatron.core.config import ConfigError
 from sao_megatron.core.config.recipe import check_model_fits_layout
 from sao_megatron.core.config.sender_budget import MIB, sender_need
 
 BUCKET_MB = 0.01   # the check's own tests; the push is measured at two bucket sizes
-
-
-class _Into(LiveTensorPeak):
-    """A worker thread's mode that counts into the push's mode (one peak over every thread)."""
-
-    def __init__(self, parent: LiveTensorPeak):
-        super().__init__()
-        self.parent = parent
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self.parent.__torch_dispatch__(func, types, args, kwargs)
 
 
 def _push_peak(model_dir: str, bucket_mb: float) -> dict:
@@ -60,7 +49,7 @@ def _push_peak(model_dir: str, bucket_mb: float) -> dict:
     mode = LiveTensorPeak()
 
     def counted(device, fn, *args):
-        with _Into(mode):
+        with CountInto(mode):
             return calls.pinned(device, fn, *args)
 
     sync_module.pinned = counted
