@@ -47,12 +47,9 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    from checkpoints.hf_io import HFCheckpoint
 
-    out = {}
-    for shard in sorted(model_dir.glob("*.safetensors")):
-        out.update(load_file(shard))
-    return out
+    return dict(HFCheckpoint(model_dir))
 
 
 @pytest.fixture(scope="module")
