@@ -77,21 +77,24 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
     curves = {k: v for k, v in keep.get("curves", {}).items() if k not in tasks}
     comparisons = {k: v for k, v in keep.get("comparisons", {}).items() if k not in tasks}
     task_runs = {k: v for k, v in keep.get("task_runs", {}).items() if k not in tasks}
+    failed: list[dict] = []
     for task in tasks:
         started = time.perf_counter()
         specs = [(f"{_slug(task)}-{algo}-s{seed}", ALGORITHMS[algo] + budget_overrides(algo, steps, warmup)
                   + from_sft(model) + [f"rollout.task='{task}'", f"run.seed={seed}"])
                  for algo in algos for seed in seeds]
-        rows = run_all(specs, work, jobs=jobs, recipe=SFT_DEMO)
+        rows = run_all(specs, work, jobs=jobs, recipe=SFT_DEMO, failures=failed)
         per_algo = {}
         for algo in algos:
-            names = [f"{_slug(task)}-{algo}-s{seed}" for seed in seeds]
+            names = [n for n in (f"{_slug(task)}-{algo}-s{seed}" for seed in seeds) if n in rows]
+            if not names:
+                raise RuntimeError(f"bench algorithms: every {algo} run on {task} failed twice: {failed}")
             runs = [run_metrics(rows[n]) for n in names]
             per_algo[algo] = {key: [r[key] for r in runs] for key in runs[0]}
             table[f"{task}/{algo}"] = {
                 "final_acc": mean_ci(per_algo[algo]["final_acc"]), "auc_acc": mean_ci(per_algo[algo]["auc_acc"]),
                 "final_reward": mean_ci(per_algo[algo]["final_reward"]), "gain": mean_ci(per_algo[algo]["gain"]),
-                "per_seed": per_algo[algo], "seeds": seeds,
+                "per_seed": per_algo[algo], "seeds": [int(n.rsplit("-s", 1)[1]) for n in names],
                 "samples_per_run": sorted({len(rows[n]) * _batch_size(work / n) for n in names})}
             curves.setdefault(task, {})[algo] = [series(rows[n], "rollout/accuracy") for n in names]
         starts = [x for v in per_algo.values() for x in v["start_acc"]]
@@ -106,7 +109,7 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
                     out_dir / f"algorithms_{_slug(task)}.png", ylabel="accuracy")
     return {"table": table, "curves": curves, "comparisons": comparisons, "summary": _summary(table),
             "steps": steps, "warmup": warmup, "seeds": seeds, "edge": EDGE, "task_runs": task_runs,
-            "start": sft_info(model), "samples_per_step": 64}
+            "start": sft_info(model), "samples_per_step": 64, "failed_runs": failed}
 
 
 def _slug(task: str) -> str:

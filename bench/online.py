@@ -89,22 +89,26 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
                                                    f"run.num_steps={switch_every * phases}",
                                                    f"critic.warmup_steps={warmup}", f"run.seed={seed}"])
              for method in methods for seed in seeds]
-    rows = run_all(specs, work, jobs=jobs, recipe=SFT_DEMO)
+    failed: list[dict] = []
+    rows = run_all(specs, work, jobs=jobs, recipe=SFT_DEMO, failures=failed)
     table, curves = {}, {}
     for method in methods:
         switches, runs = [], []
-        for seed in seeds:
+        kept = [seed for seed in seeds if f"online-{method}-s{seed}" in rows]
+        if not kept:
+            raise RuntimeError(f"bench online: every {method} run failed twice: {failed}")
+        for seed in kept:
             run_rows = rows[f"online-{method}-s{seed}"]
             switches += [dict(s, seed=seed) for s in recovery_per_switch(run_rows, DEFAULT_RULES)]
             runs.append(series(run_rows, "rollout/raw_reward"))
-        table[method] = _method_row(switches, seeds)
+        table[method] = _method_row(switches, kept)
         curves[method] = runs
     comparisons = {f"{m}-sao": diff_ci(table[m]["censored_recovery"], table["sao"]["censored_recovery"])
                    for m in methods if m != "sao"}
     plot_curves(curves, f"online: style switches every {switch_every} trainer steps", out_dir / "online.png")
     return {"table": table, "switch_every": switch_every, "phases": phases, "rules": list(DEFAULT_RULES),
             "critic_warmup_steps": warmup, "recovery_fraction": RECOVERY_FRACTION, "window": WINDOW,
-            "comparisons": comparisons, "start": sft_info(model), "summary": _summary(table)}
+            "comparisons": comparisons, "start": sft_info(model), "failed_runs": failed, "summary": _summary(table)}
 
 
 def _method_row(switches: list[dict], seeds: list[int]) -> dict:

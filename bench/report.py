@@ -134,6 +134,8 @@ def _section(name: str, title: str, result: Optional[dict], body, link) -> str:
     provenance = (f"Measured by `{result.get('command', 'command not recorded')}`{variant} on "
                   f"{machine_text(result.get('machine'))}; wall time "
                   + (f"{wall:.0f} s." if isinstance(wall, (int, float)) else "not recorded."))
+    if result.get("commit"):
+        provenance += f" Code: commit {result['commit']}."
     if result.get("note"):
         provenance += f" Note: {result['note']}."
     return "\n\n".join([head, provenance, body(result, link).strip()])

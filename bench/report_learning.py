@@ -91,9 +91,24 @@ def algorithms_section(r: dict, link) -> str:
         out.append("Rows per task came from: " + "; ".join(
             f"`{task}`: `{v.get('command', '?')}`" + (f" ({v['wall_s']:.0f} s)" if isinstance(v.get("wall_s"), (int, float)) else "")
             for task, v in sorted(runs.items())) + ".")
+    out.append(failures_text(r))
     if not r.get("full"):
         out.append("The `--full` version (300 steps, a second task `chain:2:1`; bench/algorithms.py) was not run.")
     return "\n\n".join(x for x in out if x)
+
+
+def failures_text(r: dict) -> str:
+    """Which training runs failed (the error's first line) and whether their second try was kept."""
+    failed = r.get("failed_runs") or []
+    if not failed:
+        return ""
+    kept = [f["run"] for f in failed if f["kept"]]
+    lost = [f["run"] for f in failed if not f["kept"]]
+    text = (f"{len(failed)} training run(s) failed once ({failed[0]['errors'][0][:160]}"
+            + ("; ..." if len(failed) > 1 else "") + ")")
+    text += f"; run again from scratch and kept: {', '.join(kept)}" if kept else ""
+    text += f"; failed twice and left out of every number above: {', '.join(lost)}" if lost else ""
+    return text + "."
 
 
 def _says(diff: dict) -> str:
@@ -143,6 +158,7 @@ def online_section(r: dict, link) -> str:
                             [[key.replace("-", " - "), ci_text(d, 1), _says(d).replace("higher", "slower")
                               .replace("lower", "faster")] for key, d in diffs.items()]))
     out.append(link("online.png", "online"))
+    out.append(failures_text(r))
     out.append(_online_verdict(table, seeds))
     if not r.get("full"):
         out.append("The `--full` version (4 phases of 60 steps, back to the first style; see bench/online.py) "
@@ -220,6 +236,7 @@ def stability_section(r: dict, link) -> str:
         out.append(md_table(["difference in final accuracy", "mean [95% CI]", "the interval"],
                             [[key.replace("-", " - "), ci_text(d), _says(d)] for key, d in diffs.items()]))
     out.append(link("stability.png", "stability"))
+    out.append(failures_text(r))
     if r.get("quick"):
         out.append("Only the quick smoke run is recorded: it checks that the benchmark runs; no claim is made.")
     return "\n\n".join(x for x in out if x)

@@ -35,6 +35,22 @@ def machine() -> dict:
             "torch": torch.__version__, "megatron_core": version("megatron-core")}
 
 
+def commit() -> Optional[str]:
+    """The checkout's commit, '+dirty' when tracked files differ from it (None outside a git checkout)."""
+    import subprocess
+
+    from bench import REPO
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=30).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        return (head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")) or None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
 def run_one(name: str, quick: bool, out_dir: Path, full: bool = False, tasks: Optional[list[str]] = None,
             jobs: int = 1) -> dict:
     """Run bench/NAME.py and write OUT_DIR/NAME.json; returns the result dict."""
@@ -55,6 +71,7 @@ def run_one(name: str, quick: bool, out_dir: Path, full: bool = False, tasks: Op
     result["quick"] = quick
     result["full"] = full and "full" in params
     result["machine"] = machine()
+    result["commit"] = commit()
     result["wall_s"] = time.perf_counter() - started
     result["command"] = (f"sao bench {name}" + (" --quick" if quick else "") + (" --full" if result["full"] else "")
                          + (f" --tasks {','.join(tasks)}" if tasks and "tasks" in params else "")

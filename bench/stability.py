@@ -72,15 +72,19 @@ def run(quick: bool = False, out_dir: Path = Path("results"), jobs: int = 1) -> 
     work = out_dir / "runs_stability"
     specs = [(f"stability-{algo}-s{seed}", ALGORITHMS[algo] + budget_overrides(algo, steps, warmup) + from_sft(model)
               + SETTING + [f"run.seed={seed}"]) for algo in algos for seed in seeds]
-    rows = run_all(specs, work, jobs=jobs, recipe=SFT_DEMO, timeout_s=6 * 3600)
+    failed: list[dict] = []
+    rows = run_all(specs, work, jobs=jobs, recipe=SFT_DEMO, timeout_s=6 * 3600, failures=failed)
     results, curves = {}, {}
     for algo in algos:
-        runs = [collapse_signals(rows[f"stability-{algo}-s{seed}"]) for seed in seeds]
-        results[algo] = {"runs": runs, "seeds": seeds, "collapsed": sum(r["collapsed"] for r in runs),
+        kept = [seed for seed in seeds if f"stability-{algo}-s{seed}" in rows]
+        if not kept:
+            raise RuntimeError(f"bench stability: every {algo} run failed twice: {failed}")
+        runs = [collapse_signals(rows[f"stability-{algo}-s{seed}"]) for seed in kept]
+        results[algo] = {"runs": runs, "seeds": kept, "collapsed": sum(r["collapsed"] for r in runs),
                          "final_acc": mean_ci([r["final_acc"] for r in runs]),
                          "max_acc_drop": mean_ci([r["max_acc_drop"] for r in runs]),
                          "grad_norm_spikes": mean_ci([r["grad_norm_spikes"] for r in runs])}
-        curves[algo] = [series(rows[f"stability-{algo}-s{seed}"], "rollout/accuracy") for seed in seeds]
+        curves[algo] = [series(rows[f"stability-{algo}-s{seed}"], "rollout/accuracy") for seed in kept]
     comparisons = {f"sao-{a}": diff_ci([r["final_acc"] for r in results["sao"]["runs"]],
                                        [r["final_acc"] for r in results[a]["runs"]])
                    for a in algos if a != "sao"}
@@ -92,4 +96,4 @@ def run(quick: bool = False, out_dir: Path = Path("results"), jobs: int = 1) -> 
         lines.append(f"{algo:10s} {r['collapsed']:5d} of {len(seeds)} {f['mean']:8.3f} [{f['lo']:.3f}, {f['hi']:.3f}] "
                      f"{r['max_acc_drop']['mean']:9.3f} {r['grad_norm_spikes']['mean']:7.1f}")
     return {"results": results, "comparisons": comparisons, "setting": SETTING, "steps": steps, "warmup": warmup,
-            "window": WINDOW, "start": sft_info(model), "summary": "\n".join(lines)}
+            "window": WINDOW, "start": sft_info(model), "failed_runs": failed, "summary": "\n".join(lines)}

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional
 
 from bench import REPO
 
@@ -27,18 +28,37 @@ def run_env() -> dict:
 
 
 def run_all(specs: list[tuple[str, list[str]]], out_root: Path, jobs: int = 1, recipe: Path = TINY,
-            timeout_s: float = 3600.0) -> dict[str, list[dict]]:
+            timeout_s: float = 3600.0, failures: Optional[list] = None) -> dict[str, list[dict]]:
     """`train_run` for each (name, overrides), `jobs` at a time; {name: rows} in the specs' order.
 
-    The first run goes alone: it creates the base model the others share (out_root/model)."""
+    The first run goes alone: it creates the base model the others share (out_root/model). A run
+    that fails is run once more from scratch (a loaded 2-core machine can starve a run's engine past
+    its timeouts); one that fails twice is left out of the result and, with its error, appended to
+    `failures`, so one run cannot void the others. Without `failures` a second failure raises."""
     if not specs:
         return {}
-    (first, first_overrides), rest = specs[0], specs[1:]
-    done = {first: train_run(first, first_overrides, out_root, timeout_s, recipe)}
+
+    def attempt(name: str, overrides: list[str]):
+        errors = []
+        for _ in range(2):
+            try:
+                return train_run(name, overrides, out_root, timeout_s, recipe), errors
+            except (RuntimeError, subprocess.TimeoutExpired) as err:
+                errors.append(str(err).splitlines()[0])
+        if failures is None:
+            raise RuntimeError(f"training run {name} failed twice: {errors}")
+        return None, errors
+
+    done, (first, first_overrides) = {}, specs[0]
+    results = {first: attempt(first, first_overrides)}
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = {name: pool.submit(train_run, name, overrides, out_root, timeout_s, recipe)
-                   for name, overrides in rest}
-        done.update({name: future.result() for name, future in futures.items()})
+        futures = {name: pool.submit(attempt, name, overrides) for name, overrides in specs[1:]}
+        results.update({name: future.result() for name, future in futures.items()})
+    for name, (rows, errors) in results.items():
+        if errors and failures is not None:
+            failures.append({"run": name, "errors": errors, "kept": rows is not None})
+        if rows is not None:
+            done[name] = rows
     return done
 
 

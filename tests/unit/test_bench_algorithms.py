@@ -14,7 +14,7 @@ import bench.algorithms as algorithms
 def fake_runs(monkeypatch, tmp_path):
     calls = {}
 
-    def run_all(specs, out_root, jobs=1, recipe=None, timeout_s=0):
+    def run_all(specs, out_root, jobs=1, recipe=None, timeout_s=0, failures=None):
         rows = {}
         for name, overrides in specs:
             calls[name] = overrides
@@ -58,3 +58,26 @@ def test_a_task_run_alone_extends_the_previous_result(tmp_path, fake_runs):
     assert result["task_runs"]["chain:2:1"]["command"] == "sao bench algorithms --tasks chain:2:1"
     with pytest.raises(ValueError, match="unknown task"):
         algorithms.run(out_dir=tmp_path, tasks=["chess"])
+
+
+def test_a_failed_run_is_run_again_and_one_failing_twice_is_left_out_and_named(tmp_path, monkeypatch):
+    import bench.training_runs as training_runs
+    from bench.report_learning import failures_text
+
+    tries = {}
+
+    def train_run(name, overrides, out_root, timeout_s, recipe):
+        tries[name] = tries.get(name, 0) + 1
+        if name == "flaky" and tries[name] == 1 or name == "broken":
+            raise RuntimeError(f"training run {name} failed (exit 1); log {name}.log:\ncontrol call failed")
+        return [{"step": 1}]
+
+    monkeypatch.setattr(training_runs, "train_run", train_run)
+    failed = []
+    rows = training_runs.run_all([("first", []), ("flaky", []), ("broken", [])], tmp_path, jobs=2, failures=failed)
+    assert set(rows) == {"first", "flaky"} and tries == {"first": 1, "flaky": 2, "broken": 2}
+    assert [(f["run"], f["kept"], len(f["errors"])) for f in failed] == [("flaky", True, 1), ("broken", False, 2)]
+    text = failures_text({"failed_runs": failed})
+    assert "run again from scratch and kept: flaky" in text and "left out of every number above: broken" in text
+    with pytest.raises(RuntimeError, match="broken failed twice"):
+        training_runs.run_all([("first", []), ("broken", [])], tmp_path)      # no failures list: it raises
