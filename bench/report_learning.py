@@ -50,7 +50,7 @@ def _demo_verdict(r: dict) -> str:
     gain = 100 * (r["accuracy_last"] - r["accuracy_first"])
     return (f"The demo's target, accuracy up by at least 20 points from its first {r['edge_steps']} to its last "
             f"{r['edge_steps']} steps, is {'met' if gain >= 20 else 'NOT met'} in this run ({gain:+.1f} points). "
-            "`tests/e2e/test_demo_learns.py` holds CI to the same target.")
+            "`tests/learning/test_demo_learns.py` holds CI to the same target.")
 
 
 def algorithms_section(r: dict, link) -> str:
@@ -182,6 +182,11 @@ def _online_verdict(table: dict, seeds: int) -> str:
                 "so 'recovery' measures noise.")
     ranked = sorted((v["recovery_mean"], m) for m, v in table.items() if not math.isnan(v["recovery_mean"]))
     text = "As measured, mean recovery steps (fewest first): " + ", ".join(f"{m} {mean:.1f}" for mean, m in ranked) + "."
+    stuck = sorted({s["to"] for v in table.values() for s in v["switches"]}
+                   - {s["to"] for v in table.values() for s in v["switches"] if s["recovery_steps"] is not None})
+    if stuck:
+        text += (f" No method recovered from the switch to {', '.join(stuck)} in any seed: from this start the "
+                 "policy does not find that style within a phase, so those switches separate no method.")
     never = [m for m, v in table.items() if v["never_recovered"]]
     if never:
         text += f" Did not recover within a phase at least once: {', '.join(never)}."
