@@ -95,6 +95,11 @@ def _build(tiny_model_dir, tmp_path, monkeypatch, debug: str, extra=()):
                                 "logging.console=false", "checkpoint.save_on_signal=false", *extra])
     recipe.run_dir.mkdir(parents=True, exist_ok=True)
 
+    # the device mode is thread-local: an earlier test may have installed the shim from another thread
+    from parallel.cpu_shim import enter_shim_in_this_thread
+
+    enter_shim_in_this_thread()
+
     async def build():
         async with components_mod.build_components(recipe, 0, 1) as parts:
             return parts
