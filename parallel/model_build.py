@@ -52,6 +52,7 @@ def build_chunks(hf: Mapping[str, Any], config, critic: bool, impl: str = "auto"
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    define_missing_te_names()
     vpp = config.virtual_pipeline_model_parallel_size or 1
     tp = parallel_state.get_tensor_model_parallel_world_size()
     chunks = []
@@ -66,8 +67,23 @@ def build_chunks(hf: Mapping[str, Any], config, critic: bool, impl: str = "auto"
                          vp_stage=stage, **specs.rotary_kwargs(hf))
         if critic and post:
             model.output_layer = ValueHead(config.hidden_size, config.sequence_parallel)
+        if torch.cuda.is_available():   # never under the CPU shim (parallel/cpu_shim.py: CUDA absent)
+            # Megatron's own get_model does this: its linears allocate on current_device(), but torch
+            # norms (no TE, no Apex) and the value head are built on the CPU
+            model.cuda(torch.cuda.current_device())
         chunks.append(model)
     return chunks
+
+
+def define_missing_te_names() -> None:
+    """Megatron-Core 0.16.1 without Transformer Engine: moe_utils imports `te_general_gemm` inside a
+    try and only defines it there, yet the router GEMM tests `te_general_gemm is not None`, a NameError
+    on any machine without TE (the GPU kit hit it on an H200 with transformer_impl = "local"). Define
+    the name as None, which is what the check means; a machine with TE keeps TE's function."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 _CRITIC_TRAINABLE = ("mlp.experts.", "mlp.shared_experts.", "mlp.linear_fc1", "mlp.linear_fc2",

@@ -19,6 +19,7 @@ its capture buffer by ``num_hidden_layers`` (state_capturer/routed_experts.py:72
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 from dataclasses import dataclass
@@ -30,6 +31,18 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The forward argument that takes a KV cache: `cache` from transformers 5.2x (`past_key_values`
+    is then a deprecated alias), `past_key_values` before. An unknown keyword is swallowed by the
+    model's **kwargs, so the wrong name would silently run every decode step without its cache."""
+    params = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise RuntimeError(f"{type(model).__name__}.forward takes neither `cache` nor `past_key_values`; "
+                       "the reference server needs a transformers causal LM with a KV cache")
 
 
 class SlotCache:
@@ -114,6 +127,7 @@ class ModelRunner:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache = SlotCache(cfg.num_hidden_layers, max_batch, cfg.num_key_value_heads, head_dim,
                                self.dtype, capacity=min(256, self.max_context), device=self.device)
+        self.cache_kwarg = cache_kwarg(self.model)
 
     @property
     def num_moe_layers(self) -> int:
@@ -169,7 +183,7 @@ class ModelRunner:
         mask = key_pos[None, None, :] <= positions[:, :, None]
         mask &= valid[:, :, None] | (key_pos[None, None, :] == 0)
         out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask[:, None],
-                         cache=self.cache, use_cache=True)
+                         use_cache=True, **{self.cache_kwarg: self.cache})
         last = torch.tensor([len(c) - 1 for c in chunks], device=self.device)
         last_logits = out.logits[torch.arange(rows, device=self.device), last].float().cpu()
         routes = self._split_routes(rows, q, chunks) if want_routes and self.routers else None

@@ -93,7 +93,10 @@ def _quantize_rows(weight: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, b
     amax = tiles.abs().amax(dim=(1, 3))
     if not torch.isfinite(amax).all():
         raise ValueError("weight has inf or nan values; FP8 blocks cannot carry them")
-    block_scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    # a tensor divisor, not the float: CUDA divides by a Python scalar as a multiply by its reciprocal,
+    # one ulp off the CPU's quotient for some amax (the GPU kit saw it on an H200); tensor / tensor is
+    # the correctly rounded quotient on both, so a GPU trainer sends the bytes the CPU tests pin
+    block_scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), torch.ones_like(amax))
     scaled = (tiles / block_scale[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX)   # amax / scale may round past 448
     q.copy_(scaled.view(rows * bn, cols * bk)[:n, :k])
     scale.copy_(block_scale)
