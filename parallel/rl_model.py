@@ -100,7 +100,9 @@ class RLModel:
 
     def export_hf(self, scope: str = "all") -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors, gathered over TP/EP (and PP with scope="all"), yielded on every rank
-        in the same order; scope="stage" yields only this pipeline stage's tensors, on its ranks.
+        in the same order; scope="stage" yields only this pipeline stage's tensors, on its ranks;
+        scope="shares" yields (name, tensor, (i, n)) for the tensors this rank holds after its TP
+        gather, as holder i of n (parallel/weights.py), for shard writes from every rank.
         The critic yields its backbone and ``value_head.weight``."""
         self.parking.unpark()
         yield from export_hf_tensors(self.modules, self._mapping(), value_head=self.role == "critic", scope=scope)

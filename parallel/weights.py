@@ -132,17 +132,34 @@ def _own_storage(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _gather_and_convert(source: _Source, keep: set) -> dict[str, torch.Tensor]:
-    """Every rank holding `source` takes part in its TP gather; the owner keeps the HF tensors in `keep`."""
+def _gather_and_convert(source: _Source, keep: set, holders: bool = False) -> dict[str, torch.Tensor]:
+    """Every rank holding `source` takes part in its TP gather; the owner (with `holders`, every rank
+    of the gather: each has all the pieces) keeps the HF tensors in `keep`."""
     _, size, group = source.tp
     pieces = _gather_tp(source.param, size, group)
-    if not source.owns:
+    if not (source.owns or holders):
         return {}
     return {n: _own_storage(t, source.param) for n, t in _convert(source, pieces) if n in keep}
 
 
 def _natural_key(name: str):
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _holders(sources: list[_Source]) -> dict[str, tuple[int, int]]:
+    """HF name -> (this rank's index among the ranks that make it, how many do), for the names this
+    rank makes; every rank computes the same lists (an all_gather_object of each rank's names)."""
+    mine = sorted({n for s in sources for n in s.hf})
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return {n: (0, 1) for n in mine}
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    ranks: dict[str, list[int]] = {}
+    for src, names in enumerate(everyone):
+        for name in names:
+            ranks.setdefault(name, []).append(src)
+    rank = torch.distributed.get_rank()
+    return {n: (ranks[n].index(rank), len(ranks[n])) for n in mine}
 
 
 def _catalog(sources: list[_Source], scope: str):
@@ -168,20 +185,27 @@ def _catalog(sources: list[_Source], scope: str):
 
 
 def export_hf_tensors(modules, base: HFMapping, value_head: bool = False,
-                      scope: str = "all") -> Iterator[tuple[str, torch.Tensor]]:
+                      scope: str = "all") -> Iterator[tuple]:
     """Yield (HF name, full tensor) in natural name order, streamed.
 
     scope="all": every tensor of the model, on every rank (stages broadcast theirs to all).
     scope="stage": only the tensors this rank's pipeline stage holds, on every rank of that stage
     (one weight sender per stage; nothing crosses stages).
+    scope="shares": on each rank the tensors it holds once its (expert-)TP group has gathered them,
+    never broadcast, as (name, tensor, (i, n)): this rank is holder i of the n ranks that hold the
+    name (every TP, CP and DP replica of its stage; for an expert, of its EP slice). Shard writes
+    deal the engine ranks among the holders (target t goes to holder t mod n), so a tensor every
+    engine rank needs whole (attention under dp-attention) leaves from all its holders at once, and
+    no rank ever holds more than its own stage. Every rank walks the whole order, so each TP group's
+    gathers run in the same order on its ranks.
 
     A Megatron tensor is gathered at the turn of the first HF name it makes (every rank holding it
     joins its TP gather then, so each group's collectives run in the same order on its ranks), and
     its other HF tensors wait for their own turns: the export holds one tensor being gathered and
     what is left of the one before it (weight_sync.max_sender_mb bounds the sender: docs/weights.md).
     """
-    if scope not in ("all", "stage"):
-        raise ValueError(f"export scope {scope!r}; use 'all' or 'stage'")
+    if scope not in ("all", "stage", "shares"):
+        raise ValueError(f"export scope {scope!r}; use 'all', 'stage' or 'shares'")
     sources = _sources(modules, base, value_head)
     owner, rank, group = _catalog(sources, scope)
     order = sorted(owner, key=_natural_key)
@@ -192,12 +216,19 @@ def export_hf_tensors(modules, base: HFMapping, value_head: bool = False,
         if turns:
             due[min(turns)] = source
     keep = {n for n, (src, _, _) in owner.items() if src == rank}
+    if scope == "shares":
+        holders = _holders(sources)
+        keep = set(holders)
     ready: dict[str, torch.Tensor] = {}
     distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
     for i, name in enumerate(order):
         if i in due:
-            ready.update(_gather_and_convert(due.pop(i), keep))
+            ready.update(_gather_and_convert(due.pop(i), keep, holders=scope == "shares"))
         src, shape, dtype = owner[name]
+        if scope == "shares":
+            if name in ready:
+                yield name, ready.pop(name), holders[name]
+            continue
         tensor = ready.pop(name) if src == rank else torch.empty(shape, dtype=dtype, device=comm_device())
         if distributed:
             torch.distributed.broadcast(tensor, src=src, group=group)

@@ -4,7 +4,8 @@
   the wire time is the model's bytes over one link (the sender's, and each receiver's, NIC when the
   engines are on other nodes; NVLink when sender and engine share a node).
 - sharded: each engine rank receives only its own shard (its TP/EP slice, plus what it replicates:
-  attention under dp-attention), from several trainer senders in parallel, each on its own group;
+  attention under dp-attention), from every trainer rank in parallel (each sends its share of what
+  its TP group gathered: the engine ranks are dealt among a tensor's holders), each on its own group;
   the wire time is the larger of one engine GPU's bytes over its link and all engine bytes over the
   senders' links together.
 
@@ -115,7 +116,9 @@ def sync_time(inp, transport: str = "broadcast", bucket_bytes: float = 2 ** 30, 
         senders, wire = 1, model_bytes / link
         per_sender = model_bytes
     else:
-        senders = senders or max(inp.layout.pp * inp.layout.ep, 1)   # default: every expert owner sends
+        # default: every trainer rank sends its share of what its TP group gathered (parallel/weights.py,
+        # scope "shares"): a replicated tensor leaves from all its holders, an expert from its EP slice's
+        senders = senders or max(inp.gpus - inp.rollout_gpus, 1)
         received = per_gpu * engine_gpus
         wire = max(per_gpu / link, received / (senders * link))
         per_sender = received / senders

@@ -41,7 +41,7 @@ class Workload:
     bucket_bytes: float = 2 ** 30
     stage_parallel_gather: bool = False
     gather_experts: bool | None = None   # None: broadcast gathers the experts, sharded does not
-    senders: int = 0                     # sharded: parallel senders (0 = pp x ep, every expert owner)
+    senders: int = 0                     # sharded: parallel senders (0 = every trainer rank, each its share)
 
 
 @dataclass(frozen=True)

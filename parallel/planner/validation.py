@@ -67,8 +67,15 @@ class Row:
 def _sync(inp: PlanInput, transport: str, bucket_mb: float, stage_parallel: bool = True,
           gather_experts: bool | None = None) -> float:
     work = Workload(1, 1, 1, 1, transport=transport, bucket_bytes=bucket_mb * MIB,
-                    stage_parallel_gather=stage_parallel, gather_experts=gather_experts)
+                    stage_parallel_gather=stage_parallel, gather_experts=gather_experts,
+                    senders=published_senders(inp))
     return step_time(make_plan(inp), work).sync.total
+
+
+def published_senders(inp: PlanInput) -> int:
+    """The published P2P paths send each expert from its owner after the gather (miles, NeMo-RL): one
+    sender per expert owner, pp x ep; ours sends from every trainer rank (sync_time's default)."""
+    return max(inp.layout.pp * inp.layout.ep, 1)
 
 
 def _glm5(transport: str, gather_experts=None) -> float:
@@ -103,7 +110,8 @@ def _dsv3_step(asynchronous: bool) -> float:
         inp = _inp("deepseek-v3", 512, 0, layout, EngineOptions(tp=64, ep=64, dp_attention=8), micro=4096,
                    max_in_flight=512, sequence_tokens=1536)
     work = Workload(512, **DSV3_WORK, logprob_passes=2, asynchronous=asynchronous, transport="sharded",
-                    bucket_bytes=512 * MIB, stage_parallel_gather=True, gather_experts=True)
+                    bucket_bytes=512 * MIB, stage_parallel_gather=True, gather_experts=True,
+                    senders=published_senders(inp))
     return step_time(make_plan(inp), work).step
 
 

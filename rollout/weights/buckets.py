@@ -112,14 +112,15 @@ def joins_previous(previous: str, name: str) -> bool:
 def mla_a_pairs(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """Hold each layer's q_a_proj back until its kv_a_proj_with_mqa comes, then yield the two together
     (the export yields q_b_proj between them); every other tensor passes in order."""
-    held: dict[str, tuple[str, torch.Tensor]] = {}
-    for name, tensor in named:
+    held: dict[str, tuple] = {}
+    for item in named:   # (name, tensor), or (name, tensor, share) from a holder's export: kept whole
+        name = item[0]
         if name.endswith(_Q_A):
-            held[name.removesuffix(_Q_A)] = (name, tensor)
+            held[name.removesuffix(_Q_A)] = item
             continue
         if name.endswith(_KV_A) and name.removesuffix(_KV_A) in held:
             yield held.pop(name.removesuffix(_KV_A))
-        yield name, tensor
+        yield item
     yield from held.values()   # no partner (q LoRA without kv_a: not a model SGLang fuses)
 
 

@@ -24,7 +24,7 @@ import itertools
 import queue
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
@@ -49,6 +49,7 @@ class Target:
     name: str         # the engine's name
     rank: int         # its TP rank
     tp: int           # its TP size
+    slot: int = 0     # its place among all engine ranks (a tensor's holder i of n serves slots = i mod n)
 
     def label(self) -> str:
         return f"engine {self.name} tp_rank {self.rank}"
@@ -84,11 +85,15 @@ class _Lane:
         self.sent = [0] * len(self.targets)
         self.failed = threading.Event()
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Producer side: each target's slice of one tensor into that target's bucket. A slice is copied
-        out: a view would keep the whole gathered tensor alive for as long as its bucket waits, so each
-        pending bucket would pin up to tp times its own bytes (weight_sync.max_sender_mb counts slices)."""
+    def add(self, name: str, tensor: torch.Tensor, share: tuple[int, int] = (0, 1)) -> None:
+        """Producer side: each target's slice of one tensor into that target's bucket, for the targets
+        this sender serves as holder `share` = (i, n) of the tensor (slots equal to i mod n). A slice
+        is copied out: a view would keep the whole gathered tensor alive for as long as its bucket
+        waits, so each pending bucket would pin up to tp times its own bytes (max_sender_mb counts slices)."""
+        index, holders = share
         for j, target in enumerate(self.targets):
+            if target.slot % holders != index:
+                continue
             piece = shard_of(name, tensor, target.tp, target.rank)
             if piece is not tensor:
                 piece = piece.clone(memory_format=torch.contiguous_format)
@@ -169,6 +174,7 @@ class ShardWriteSync(_SessionSync):
         self.engine_ranks = _engine_ranks(ranks_per_engine, len(self.engines))
         targets = [Target(i, e.name, r, tp) for i, (e, tp) in enumerate(zip(self.engines, self.engine_ranks))
                    for r in range(tp)]
+        targets = [replace(t, slot=k) for k, t in enumerate(targets)]
         count = senders if senders is not None else cfg.shard_senders
         if not isinstance(count, int) or count < 1:
             raise ValueError(f"weight_sync.shard_senders {count!r} must be an int >= 1; fix: use e.g. 2")
@@ -182,6 +188,9 @@ class ShardWriteSync(_SessionSync):
         self.connected = False
         self.bytes_sent = 0
         self.received: dict[tuple[str, int], int] = {}   # (engine, tp_rank) -> bytes it acked, last push
+        # One of several owner senders (every trainer rank that owns tensors sends its own): the version
+        # is labelled once, by the driver rank after every owner's push landed (label_version), not here.
+        self.labels_versions = True
 
     def _entries(self, engine: int) -> list[dict]:
         return [{"tp_rank": t.rank, "master_port": lane.port, "group_name": lane.group_name, "group_rank": j + 1,
@@ -230,14 +239,19 @@ class ShardWriteSync(_SessionSync):
             self.regroup()
             raise
         self._check_acks([ack for lane_acks in results[1:] for ack in lane_acks])
+        if self.labels_versions:
+            await self.label_version(version)
+
+    async def label_version(self, version: int) -> None:
+        """/update_weight_version on every engine (SGLang's route: a write into memory carries none)."""
         await run_all(self._each(lambda e: e.update_weight_version(version)), "update_weight_version",
                       self.cfg.timeout_s)
 
     def _produce(self, named_tensors) -> None:
         try:
-            for name, tensor in named_tensors:
+            for item in named_tensors:   # (name, tensor), or (name, tensor, (i, n)) from a holder's export
                 for lane in self.lanes:
-                    lane.add(name, tensor)
+                    lane.add(*item)
             for lane in self.lanes:
                 lane.finish()
         except _LaneFailed:

@@ -98,9 +98,10 @@ def sender_address(engines: list[WeightReceiver]) -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
-def _cast(named: Iterable[tuple[str, torch.Tensor]], dtype: Optional[torch.dtype]):
-    for name, tensor in named:
-        yield name, (tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype))
+def _cast(named: Iterable[tuple], dtype: Optional[torch.dtype]):
+    """Each (name, tensor[, share]) with the tensor cast to `dtype`; a holder's share passes along."""
+    for name, tensor, *share in named:
+        yield name, (tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype)), *share
 
 
 def non_expert_first(named: Iterable[tuple[str, torch.Tensor]], max_held_bytes: int):
@@ -347,7 +348,7 @@ def build_weight_sync(cfg, engines: list[WeightReceiver], run_dir: str | Path | 
     if cfg.method == "shard_writes":
         from .sharded import ShardWriteSync
 
-        kwargs.pop("stage", None)   # every rank's export is whole here (senders = "driver")
+        kwargs.pop("stage", None)   # one sender per owning rank, whatever the stage (trainer/weight_updates.py)
         if kwargs.pop("fp8", None) is not None:   # the recipe check refuses it first (trainer/engines.py)
             raise ValueError("weight_sync.method = 'shard_writes' does not slice FP8 blocks and their scales per "
                              "rank; fix: use weight_sync.method = 'broadcast' with rollout.engine_fp8")

@@ -24,7 +24,7 @@ def register(sub) -> None:
     parser.add_argument("--transport", default=None, choices=["broadcast", "sharded"],
                         help="weight-sync transport the step uses (default: weight_sync.method; both are printed)")
     parser.add_argument("--senders", type=int, default=0,
-                        help="sharded transport: trainer ranks sending in parallel (default pp x ep, every expert owner)")
+                        help="sharded transport: trainer ranks sending in parallel (default: every trainer rank, each its share)")
     parser.add_argument("--prompt-tokens", type=float, default=None, help="mean prompt length (default max_prompt_len/2)")
     parser.add_argument("--response-tokens", type=float, default=None,
                         help="mean response length (default max_new_tokens/2)")
@@ -47,7 +47,7 @@ def argument_problem(args) -> str:
     if args.gpu not in GPUS:
         return f"--gpu {args.gpu!r} is unknown; use one of {', '.join(GPUS)}"
     if args.senders < 0:
-        return f"--senders {args.senders}: use 1 or more (0 = pp x ep)"
+        return f"--senders {args.senders}: use 1 or more (0 = every trainer rank)"
     for name in ("prompt_tokens", "response_tokens"):
         value = getattr(args, name)
         if value is not None and value <= 0:

@@ -76,6 +76,9 @@ async def build_components(recipe: Recipe, rank: int = 0, world_size: int = 1) -
 
             weights = build_weight_updates(recipe, policy, engines, driver, rank, world_size)
             weights.restarts = restarts   # every rank's sender regroups after a restart (weight_updates.py)
+            for client in weights.engines:   # a stage's or an owner's sender on another rank has its own clients
+                if not any(client is engine for engine in engines or ()):
+                    stack.push_async_callback(client.close)
         checkpoints = Checkpoints(recipe, rank, world_size, saves=debug == "none")
         if samples is not None:
             stack.push_async_callback(samples.stop)

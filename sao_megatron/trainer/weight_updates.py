@@ -113,7 +113,12 @@ class WeightUpdates:
         the same reason). After each turn the ranks agree that it landed, so a failed push fails
         every rank instead of a hang, and the driver closes the sessions only after the last stage.
         """
-        if not per_stage_senders(self.recipe, self.world_size):
+        if rank_senders(self.recipe, self.world_size):
+            # shard writes land in each engine rank's memory, one-sided: no engine blocks in a receive,
+            # so every rank sends its share at once, and the driver labels the version after all
+            await self._push_turn(self.policy.export_hf(scope="shares"), version)
+            await self._label_turn(version)
+        elif not per_stage_senders(self.recipe, self.world_size):
             await self._push_turn(self.policy.export_hf(scope="all"), version)
         else:
             from parallel.distributed import pipeline_stage_group
@@ -150,6 +155,28 @@ class WeightUpdates:
             _all_pushes_landed(error, self.rank)
 
 
+    async def _label_turn(self, version: int) -> None:
+        """The driver labels the version on every engine once every rank's writes landed; all ranks
+        agree on the outcome, as after a push."""
+        error = None
+        if self.is_driver:
+            try:
+                await self.weight_sync.label_version(version)
+            except Exception as err:   # noqa: BLE001 - shared with every rank below, then re-raised
+                if self.world_size == 1:
+                    raise
+                error = err
+        if self.world_size > 1:
+            _all_pushes_landed(error, self.rank)
+
+
+def rank_senders(recipe: Recipe, world_size: int) -> bool:
+    """Shard writes from a multi-rank trainer: every rank sends, from the tensors its TP group gathered,
+    its share of the engine ranks (parallel/weights.py, scope "shares"); nothing is gathered to rank 0
+    and a tensor every engine rank needs leaves from all its holders at once (docs/weights.md)."""
+    return world_size > 1 and recipe.weight_sync.method == "shard_writes"
+
+
 def per_stage_senders(recipe: Recipe, world_size: int) -> bool:
     """Each pipeline stage's first rank broadcasts its own layers (weight_sync.senders = per_stage)."""
     ws = recipe.weight_sync
@@ -159,26 +186,47 @@ def per_stage_senders(recipe: Recipe, world_size: int) -> bool:
 def build_weight_updates(recipe: Recipe, policy, engines: list, driver, rank: int, world_size: int) -> WeightUpdates:
     """Rank 0 sends to `engines`; with per-stage senders every other stage's first rank sends too."""
     sender = new_weight_sync(recipe, engines, stage=0) if rank == 0 else None
-    if per_stage_senders(recipe, world_size):
+    if rank_senders(recipe, world_size):
+        engines, sender = _rank_sender(recipe, engines, sender, rank)
+    elif per_stage_senders(recipe, world_size):
         engines, sender = _stage_sender(recipe, engines, sender, rank)
     return WeightUpdates(recipe, policy, engines, driver, sender, rank, world_size)
+
+
+def _shared_endpoints(engines: list, rank: int) -> dict:
+    """Rank 0's engine URLs and API key, on every rank (a collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    box = [{"urls": [e.url for e in engines], "api_key": engines[0].api_key} if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _rank_sender(recipe: Recipe, engines: list, sender, rank: int):
+    """Every rank gets a shard-writes sender to the same engines (rank 0 keeps its own); none of them
+    labels the version (the driver does, after all landed). Returns this rank's (engines, sender)."""
+    from .engines import engine_clients
+
+    endpoints = _shared_endpoints(engines, rank)
+    if rank != 0:
+        engines = engine_clients(recipe, endpoints["urls"], endpoints["api_key"])
+        sender = new_weight_sync(recipe, engines, stage=0)
+    sender.labels_versions = False
+    return engines, sender
 
 
 def _stage_sender(recipe: Recipe, engines: list, sender, rank: int):
     """Rank 0 shares the engines' endpoints; a later stage's first rank builds its own sender (group
     `sao_weights_pp<stage>_...`) to the same engines. Returns this rank's (engines, sender)."""
-    import torch.distributed as dist
-
     from parallel.distributed import pipeline_stage_group
 
     from .engines import engine_clients
 
-    box = [{"urls": [e.url for e in engines], "api_key": engines[0].api_key} if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    endpoints = _shared_endpoints(engines, rank)
     stage, _, index = pipeline_stage_group()
     if rank == 0 or index != 0:
         return engines, sender
-    engines = engine_clients(recipe, box[0]["urls"], box[0]["api_key"])
+    engines = engine_clients(recipe, endpoints["urls"], endpoints["api_key"])
     return engines, new_weight_sync(recipe, engines, stage=stage)
 
 

@@ -49,6 +49,9 @@ def _export_and_critic(model_dir: str) -> dict:
         policy.load_hf_state_dict(hf)
         exported = dict(policy.export_hf())
         out[f"export_{name}"] = set(exported) == set(hf) and all(torch.equal(exported[k], hf[k]) for k in hf)
+        shares = {n: (share, torch.equal(t, hf[n])) for n, t, share in policy.export_hf(scope="shares")}
+        out[f"shares_{name}"] = {n: share for n, (share, _) in shares.items()}
+        out[f"shares_equal_{name}"] = all(equal for _, equal in shares.values())
     for name, layout in {"pp2": dict(pp=2), "vpp2": dict(pp=2, vpp=2)}.items():  # 3 micro-batches: VPP pads to 4
         teardown_model_parallel()
         policy = RLModel.build(lc.make_recipe(model_dir, layout), "policy")
@@ -95,6 +98,32 @@ def components(tiny_model_dir):
 @pytest.mark.parametrize("name", ["tp2", "ep2", "pp2", "vpp2"])
 def test_export_hf_round_trips_on_every_rank(components, name):
     assert all(rank[f"export_{name}"] for rank in components)
+
+
+@pytest.mark.parametrize("name", ["tp2", "ep2", "pp2", "vpp2"])
+def test_export_shares_deal_every_tensor_among_the_ranks_that_hold_it(components, tiny_model_dir, name):
+    """scope="shares" (shard writes from every rank): each rank yields the tensors its TP group gathered,
+    equal to the HF ones, as holder i of n; every name is held by n ranks with indexes 0..n-1; under
+    TP2 both ranks hold everything, under EP2 an expert only its EP rank, under PP2 a layer its stage."""
+    from safetensors.torch import load_file
+
+    names = set(load_file(f"{tiny_model_dir}/model.safetensors"))
+    held: dict[str, list] = {}
+    for rank in components:
+        assert rank[f"shares_equal_{name}"]
+        for n, share in rank[f"shares_{name}"].items():
+            held.setdefault(n, []).append(tuple(share))
+    assert set(held) == names
+    for n, shares in held.items():
+        assert sorted(shares) == [(i, len(shares)) for i in range(len(shares))], n
+    counts = {n: len(s) for n, s in held.items()}
+    expert = [n for n in names if ".mlp.experts." in n]
+    if name == "tp2":
+        assert set(counts.values()) == {2}
+    elif name == "ep2":
+        assert all(counts[n] == 1 for n in expert) and all(counts[n] == 2 for n in names - set(expert))
+    else:
+        assert all(counts[n] == 1 for n in names if ".layers." in n)
 
 
 @pytest.mark.parametrize("name", ["tp2", "pp2"])

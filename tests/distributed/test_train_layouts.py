@@ -77,3 +77,31 @@ def test_resume_under_another_layout(single):
     # every sample of step 2 was generated under version 0, before the checkpoint: the buffered and
     # in-flight rollouts were carried over (fresh ones would be version 1, staleness 0)
     assert rows[0]["rollout/staleness_mean"] == 1.0
+
+
+@pytest.mark.parametrize("layout", [["parallel.world_size=2", "parallel.ep=2"], ["parallel.pp=2"], ["parallel.tp=2"]],
+                         ids=["ep2", "pp2", "tp2"])
+def test_shard_writes_come_from_every_owning_rank(single, layout):
+    """Shard writes from two trainer ranks into a TP-2 reference engine: every rank sends, from what its
+    TP group gathered, its share (parallel/weights.py, scope "shares"): a tensor both ranks hold (TP2,
+    or the dense weights replicated over DP under EP2) goes to engine rank 0 from trainer rank 0 and to
+    engine rank 1 from trainer rank 1; one only rank 1 holds (EP2: experts 4-7; PP2: stage 1) leaves
+    from rank 1 alone. No rank gathers the model. check_equal then finds every engine tensor equal to
+    the trainer's, which what only rank 1 sent could make so; rank 0 sent a strict part of what the
+    engine ranks received; the numbers equal the single-rank run."""
+    from safetensors.torch import load_file
+
+    from rollout.weights.shard_plan import bytes_per_rank
+
+    tmp, reference = single
+    name = "shards-" + layout[-1].split(".")[1].replace("=", "")
+    rows = _train(tmp, name, *layout, "weight_sync.method='shard_writes'", "rollout.engine_tp=2",
+                  "weight_sync.check_equal=true")
+    got, ref = rows[0], reference[0]
+    for key in KEYS:
+        assert got[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
+    hf = {}
+    for shard in sorted((tmp / "model").glob("*.safetensors")):
+        hf.update(load_file(shard))
+    every_rank_received = sum(bytes_per_rank(hf.items(), 2)) / 2**20
+    assert 0.1 * every_rank_received < got["perf/weight_sync_sent_mb"] < 0.9 * every_rank_received

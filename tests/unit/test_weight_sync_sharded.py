@@ -196,3 +196,19 @@ def test_shard_writes_with_sglang_engines_is_refused_naming_the_field():
     with pytest.raises(ConfigError, match=r"weight_sync.method.*Mooncake transfer engine"):
         load_recipe(None, ["model.path='/nonexistent/model'", "weight_sync.method='shard_writes'",
                            "rollout.engine='sglang'"], check_files=False)
+
+
+def test_a_holder_sends_only_the_engine_ranks_dealt_to_it():
+    """With n ranks holding a tensor, holder i serves the engine rank slots equal to i mod n; a tensor one
+    rank holds goes to every slot; each slot gets its own slice (engine TP 2: q_proj rows split)."""
+    from rollout.weights.sharded import Target, _Lane
+
+    lane = _Lane(0, [Target(e, f"e{e}", r, 2, slot=2 * e + r) for e in range(2) for r in range(2)])
+    lane.start_push(1 << 20, 5.0)
+    q = torch.arange(16.0).reshape(4, 4)
+    lane.add("model.layers.0.self_attn.q_proj.weight", q, (1, 2))
+    lane.add("model.norm.weight", torch.ones(4))
+    assert [b.names for b in lane.pending] == [
+        ["model.norm.weight"], ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"],
+        ["model.norm.weight"], ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]]
+    assert torch.equal(lane.pending[1].tensors[0], q[2:]) and torch.equal(lane.pending[3].tensors[0], q[2:])
