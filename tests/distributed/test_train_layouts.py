@@ -81,7 +81,7 @@ def test_resume_under_another_layout(single):
 
 @pytest.mark.parametrize("layout", [["parallel.world_size=2", "parallel.ep=2"], ["parallel.pp=2"], ["parallel.tp=2"]],
                          ids=["ep2", "pp2", "tp2"])
-def test_shard_writes_come_from_every_owning_rank(single, layout):
+def test_shard_writes_come_from_every_rank(single, layout):
     """Shard writes from two trainer ranks into a TP-2 reference engine: every rank sends, from what its
     TP group gathered, its share (parallel/weights.py, scope "shares"): a tensor both ranks hold (TP2,
     or the dense weights replicated over DP under EP2) goes to engine rank 0 from trainer rank 0 and to
