@@ -188,8 +188,8 @@ class ShardWriteSync(_SessionSync):
         self.connected = False
         self.bytes_sent = 0
         self.received: dict[tuple[str, int], int] = {}   # (engine, tp_rank) -> bytes it acked, last push
-        # One of several owner senders (every trainer rank that owns tensors sends its own): the version
-        # is labelled once, by the driver rank after every owner's push landed (label_version), not here.
+        # One of several senders (every trainer rank sends its share, trainer/weight_updates.py): the
+        # version is labelled once, by the driver rank after every rank's push landed (label_version).
         self.labels_versions = True
 
     def _entries(self, engine: int) -> list[dict]:

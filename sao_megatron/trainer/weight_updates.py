@@ -154,7 +154,6 @@ class WeightUpdates:
         if self.world_size > 1:
             _all_pushes_landed(error, self.rank)
 
-
     async def _label_turn(self, version: int) -> None:
         """The driver labels the version on every engine once every rank's writes landed; all ranks
         agree on the outcome, as after a push."""
@@ -184,7 +183,8 @@ def per_stage_senders(recipe: Recipe, world_size: int) -> bool:
 
 
 def build_weight_updates(recipe: Recipe, policy, engines: list, driver, rank: int, world_size: int) -> WeightUpdates:
-    """Rank 0 sends to `engines`; with per-stage senders every other stage's first rank sends too."""
+    """Rank 0 sends to `engines`; with per-stage senders every other stage's first rank sends too, and
+    with shard writes every rank does."""
     sender = new_weight_sync(recipe, engines, stage=0) if rank == 0 else None
     if rank_senders(recipe, world_size):
         engines, sender = _rank_sender(recipe, engines, sender, rank)
