@@ -7,8 +7,10 @@ rank 0, its engine ranks 1..) and sends each of its ranks, in buckets, the slice
 buffers, QUEUE_DEPTH queued buckets and the one it flattens, and each of its ranks one pending bucket
 of copied slices (a tensor above the bucket alone), which weight_sync.max_sender_mb counts
 (sao_megatron/core/config/sender_budget.py). The lanes run in parallel, each on its own group,
-so the ranks of one engine receive at once instead of one broadcast after another; in a real
-deployment each lane is a trainer GPU with its own link.
+so the ranks of one engine receive at once instead of one broadcast after another. In a multi-rank
+trainer every rank runs one ShardWriteSync: its export yields (name, tensor, (i, n)) for the tensors
+its TP group gathered, and holder i of n serves the engine-rank slots equal to i mod n, so a tensor
+leaves from every rank that holds it and no rank holds the whole model.
 
 What it requires (the name says so): engines that take writes into each TP rank's own weights.
 SGLang 0.5.23 does that only through its Mooncake transfer engine (docs/weights.md, "Shard writes"),
