@@ -141,30 +141,28 @@ class WeightUpdates:
     async def _push_turn(self, named, version: int) -> None:
         """One turn: the senders send `named` (None: not this rank's turn), every rank of the turn
         drains it, then all ranks agree that it landed."""
-        error = None
-        try:
-            if named is not None and self.weight_sync is not None:
-                await self.weight_sync.push(named, version)
-        except Exception as err:   # noqa: BLE001 - shared with every rank below, then re-raised
-            if self.world_size == 1:
-                raise
-            error = err
-        for _ in named or ():   # no sender here, or one that failed mid-stream: keep the export's collectives in step
-            pass
-        if self.world_size > 1:
-            _all_pushes_landed(error, self.rank)
+        sends = named is not None and self.weight_sync is not None
+        await self._agreed((lambda: self.weight_sync.push(named, version)) if sends else None, drain=named or ())
 
     async def _label_turn(self, version: int) -> None:
         """The driver labels the version on every engine once every rank's writes landed; all ranks
         agree on the outcome, as after a push."""
+        await self._agreed((lambda: self.weight_sync.label_version(version)) if self.is_driver else None)
+
+    async def _agreed(self, call, drain=()) -> None:
+        """Await `call()` (None: nothing for this rank), drain `drain` (a sender that failed mid-stream,
+        or none here: the export's collectives stay in step), then all ranks agree: an error on any
+        rank raises on every rank instead of a hang."""
         error = None
-        if self.is_driver:
-            try:
-                await self.weight_sync.label_version(version)
-            except Exception as err:   # noqa: BLE001 - shared with every rank below, then re-raised
-                if self.world_size == 1:
-                    raise
-                error = err
+        try:
+            if call is not None:
+                await call()
+        except Exception as err:   # noqa: BLE001 - shared with every rank below, then re-raised
+            if self.world_size == 1:
+                raise
+            error = err
+        for _ in drain:
+            pass
         if self.world_size > 1:
             _all_pushes_landed(error, self.rank)
 
