@@ -1,4 +1,5 @@
-"""The MetricSink seam: wandb (offline unless a key is set), a jsonl file that always exists, a console bar.
+"""The MetricSink seam: wandb (offline unless a key is set), a jsonl file that always exists, a console bar,
+TensorBoard event files (tensorboard.py).
 
 Metric names follow the field's conventions: train/pg_clipfrac, train/ppo_kl, train/entropy,
 train/train_rollout_logprob_abs_diff, critic/vf_explained_var, rollout/raw_reward,
@@ -59,7 +60,7 @@ class WandbSink(MetricSink):
     """wandb, offline by default: online only when WANDB_API_KEY is set (or mode says so)."""
 
     def __init__(self, project: str, name: str, run_dir: Path, config: dict, mode: str = "auto",
-                 resume_id: str = ""):
+                 resume_id: str = "", entity: str = "", group: str = "", tags: tuple = (), notes: str = ""):
         try:
             import wandb
         except ImportError as err:
@@ -72,7 +73,9 @@ class WandbSink(MetricSink):
         os.environ.setdefault("WANDB_CACHE_DIR", str(wandb_dir / "cache"))
         self._wandb = wandb
         self._run = wandb.init(project=project, name=name, dir=str(wandb_dir), config=config, mode=mode,
-                               id=resume_id or None, resume="allow" if resume_id else None)
+                               id=resume_id or None, resume="allow" if resume_id else None,
+                               entity=entity or None, group=group or None, tags=list(tags) or None,
+                               notes=notes or None)
         self.mode = mode
 
     def log(self, metrics, step):
@@ -158,11 +161,17 @@ class MultiSink(MetricSink):
 
 def build_metric_sink(logging_cfg, run_name: str, run_dir: Path, total_steps: int, config: dict,
                       resume_id: str = "") -> MultiSink:
-    """jsonl always; wandb and console as the recipe's logging section says."""
+    """jsonl always; wandb, TensorBoard and console as the recipe's logging section says."""
     sinks: list[MetricSink] = [JsonlSink(Path(run_dir) / "metrics.jsonl")]
     if logging_cfg.wandb and logging_cfg.wandb_mode != "disabled":
         sinks.append(WandbSink(logging_cfg.wandb_project, run_name, run_dir, config,
-                               mode=logging_cfg.wandb_mode, resume_id=resume_id))
+                               mode=logging_cfg.wandb_mode, resume_id=resume_id, entity=logging_cfg.wandb_entity,
+                               group=logging_cfg.wandb_group, tags=tuple(logging_cfg.wandb_tags),
+                               notes=logging_cfg.wandb_notes))
+    if logging_cfg.tensorboard:
+        from .tensorboard import TensorBoardSink
+
+        sinks.append(TensorBoardSink(Path(run_dir) / "tensorboard"))
     if logging_cfg.console:
         sinks.append(ConsoleSink(total_steps))
     return MultiSink(sinks)

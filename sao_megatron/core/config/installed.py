@@ -32,6 +32,8 @@ def check_installed(recipe) -> None:
     for source in recipe.eval.datasets:
         check_eval_source(source)
     check_resume_path(recipe.checkpoint.resume)
+    if recipe.logging.tensorboard:
+        check_package("logging.tensorboard", "tensorboard", "pip install tensorboard, or set logging.tensorboard = false")
     if recipe.run.debug == "train-only" and not Path(recipe.run.debug_dir).is_dir():
         raise ConfigError("run.debug_dir", f"{recipe.run.debug_dir} does not exist",
                           "point it at the rollouts/ directory of a rollout-only run")
@@ -95,6 +97,13 @@ def check_resume_path(resume: str) -> None:
     if not (path / "manifest.json").is_file():
         raise ConfigError("checkpoint.resume", f"{resume} has no manifest.json (not a complete checkpoint)",
                           "point it at a step_N directory written by sao train, or use 'auto'")
+
+
+def check_package(field: str, package: str, fix: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(package) is None:
+        raise ConfigError(field, f"needs the {package!r} package, which is not installed", fix)
 
 
 def _importable(field: str, path: str) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 from .errors import ConfigError
 from .installed import check_installed
 from .presets import ADVANTAGES, GROUP_ADVANTAGES, LOSSES, PRESETS
+from .recipe_base import read_recipe_file
 from .schema import (REMOVED_KEYS, SECTIONS, AlgorithmConfig, CheckpointConfig, CriticConfig, EvalConfig,
                      LaunchConfig, LoggingConfig, ModelConfig, ParallelConfig, RolloutConfig, RunConfig,
                      SFTConfig, WeightSyncConfig)
@@ -175,15 +176,7 @@ def load_recipe(path: str | os.PathLike | None, overrides: list[str] = (), check
     raw: dict = {}
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError("recipe", f"{path} does not exist", "pass the path of a .toml recipe")
-        try:
-            raw = tomllib.loads(path.read_text(encoding="utf-8"))
-        except UnicodeDecodeError as err:
-            raise ConfigError("recipe", f"{path} is not UTF-8 text (byte {err.start}: {err.reason})",
-                              "save the recipe as UTF-8 TOML") from None
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError("recipe", f"{path} is not valid TOML ({err})", "fix the TOML syntax") from None
+        raw = read_recipe_file(path)   # its `base` chain merged in (recipe_base.py)
     for item in overrides:
         key, value = parse_override(item)
         _set_dotted(raw, key, value)

@@ -309,12 +309,18 @@ class LoggingConfig:
     wandb: bool = doc(True, "Log to wandb (offline unless WANDB_API_KEY is set or wandb_mode says online).")
     wandb_project: str = doc("sao-megatron", "wandb project.")
     wandb_mode: Literal["auto", "offline", "online", "disabled"] = doc("auto", "auto = online only with an API key.")
+    wandb_entity: str = doc("", "wandb entity (team or user) the run goes to; '' = the API key's default.")
+    wandb_group: str = doc("", "wandb group (runs of one experiment side by side); '' = none.")
+    wandb_tags: list = doc([], "wandb tags, each 1-64 characters (wandb's limit, wandb_settings.py).")
+    wandb_notes: str = doc("", "wandb notes: a longer description of the run.")
+    tensorboard: bool = doc(False, "Also write TensorBoard event files into <run_dir>/tensorboard (beside metrics.jsonl).")
     console: bool = doc(True, "Console progress bar.")
     plot: bool = doc(True, "Write curves.png (reward, value loss, clip fractions) at the end.")
 
     def check(self, p: str) -> None:
         text_rules.matches(f"{p}.wandb_project", self.wandb_project, text_rules.WANDB_PROJECT,
                            "a wandb project name (1-128 characters, none of / \\ # ? % :)")
+        text_rules.check_wandb_text(self, p)
         check_bounds(self, p)
 
 

@@ -20,6 +20,7 @@ IMAGE = re.compile(r"^[A-Za-z0-9_./:@+#=-]*$")                     # registry#im
 COMMAND_WORD = re.compile(r"^[A-Za-z0-9_./+-]+$")
 IMPORT_PATH = re.compile(r"^[A-Za-z_][\w.]*[:.][A-Za-z_]\w*$")            # pkg.mod:fn (or pkg.mod.fn)
 WANDB_PROJECT = re.compile(r"^[^/\\#?%:\x00-\x1f]{1,128}$")
+WANDB_ENTITY = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 API_KEY = re.compile(r"^[\x21-\x7e]*$")   # printable, no space: it travels in an HTTP header
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 
@@ -87,6 +88,18 @@ def check_rollout_text(cfg, p: str) -> None:
     import_path(f"{p}.reward_fn", cfg.reward_fn)
     for name in ("task", "dataset"):
         one_line(f"{p}.{name}", getattr(cfg, name))
+
+
+def check_wandb_text(cfg, p: str) -> None:
+    """wandb.init refuses these at the first step otherwise (tags: wandb_settings.py validate_tags)."""
+    if cfg.wandb_entity:
+        matches(f"{p}.wandb_entity", cfg.wandb_entity, WANDB_ENTITY, "a wandb entity (letters, digits, '_', '-')")
+    if cfg.wandb_group:
+        matches(f"{p}.wandb_group", cfg.wandb_group, WANDB_PROJECT, "a wandb group name (1-128 characters, none of / \\ # ? % :)")
+    for tag in cfg.wandb_tags:
+        require(isinstance(tag, str) and 1 <= len(tag) <= 64, f"{p}.wandb_tags", f"tag {tag!r} is not 1-64 characters "
+                "of text", "write tags as strings of 1 to 64 characters")
+        one_line(f"{p}.wandb_tags", tag)
 
 
 def check_launch_text(cfg, p: str) -> None:

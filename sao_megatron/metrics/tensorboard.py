@@ -1,0 +1,33 @@
+"""TensorBoard event files beside metrics.jsonl (logging.tensorboard = true): `tensorboard --logdir runs`.
+
+Written with torch.utils.tensorboard.SummaryWriter (the `tensorboard` package, a dependency of
+sao-megatron), imported here so a run without the sink never loads it. Only numbers are written, as
+scalars under the metric's own name (train/pg_clipfrac, ...), at the trainer step.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .sinks import MetricSink, _to_float
+
+
+class TensorBoardSink(MetricSink):
+    def __init__(self, log_dir: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as err:
+            raise ImportError("TensorBoard needs the `tensorboard` package: pip install tensorboard "
+                              "(or set logging.tensorboard = false)") from err
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        self.log_dir = Path(log_dir)
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, metrics, step):
+        for key, value in metrics.items():
+            number = _to_float(value)
+            if number is not None:
+                self._writer.add_scalar(key, number, global_step=step)
+        self._writer.flush()   # a crashed run keeps every step logged so far
+
+    def close(self):
+        self._writer.close()
