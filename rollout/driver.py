@@ -5,7 +5,9 @@ How it works (one asyncio event loop, the trainer's):
   makes n (uids ``p<i>-<k>``, sharing ``group_id = i``). Each runs in its own task: generate (one
   segment, or a multi-turn agent loop) -> reward -> buffer.
 - Up to ``rollout.max_in_flight`` items run at once, each placed on the least-loaded live engine;
-  new prompts are drawn only while the buffer has room (bounded memory).
+  new prompts are drawn only while the buffer has room (bounded memory), and a sample starts only
+  if it can still be trained within ``rollout.staleness_bound`` given the samples ahead of it and the
+  trainer's pace (rollout/staleness.py `admission_room`), so finished work is not thrown away.
 - A failed engine call (EngineError, timeout, connection error) marks the engine dead and retries the
   request on another engine under a new request id ``<uid>-a<attempt>``; the old id is aborted, and a
   late answer to it is never read, so nothing is lost or duplicated. A background probe brings
@@ -44,7 +46,7 @@ from rollout.context import PromptTooLong, fit_max_new_tokens
 from rollout.engine import EngineError, GenerateRequest, GenerateResult, Generator, settle_prefix_cache
 from rollout.engine_health import ENGINE_FAILURES, DriverError, EngineHealth, rejected
 from rollout.rewards.base import apply_reward
-from rollout.staleness import StalenessStats, token_versions
+from rollout.staleness import StalenessStats, admission_room, token_versions
 from sao_megatron.core.records import Sample, SampleStatus
 
 log = logging.getLogger(__name__)
@@ -60,7 +62,7 @@ class RolloutDriver(EngineHealth):
                  filters: Iterable[GroupFilter] = (), buffer_capacity: Optional[int] = None, agent=None,
                  max_attempts: int = 0, probe_interval_s: float = 1.0, stall_timeout_s: Optional[float] = None,
                  control_timeout_s: float = 30.0, return_routed_experts: bool = True,
-                 context_length: Optional[int] = None):
+                 context_length: Optional[int] = None, staleness_admission: bool = True):
         if not engines:
             raise ValueError("RolloutDriver needs at least one engine; set rollout.num_engines or engine_urls")
         names = [e.name for e in engines]
@@ -78,6 +80,11 @@ class RolloutDriver(EngineHealth):
         self.engine_down_timeout_s = min(getattr(cfg, "engine_down_timeout_s", 60.0), self.stall_timeout_s)
         self.max_failed_in_a_row = getattr(cfg, "max_failed_in_a_row", 0) or max(2 * cfg.max_in_flight, 8)
         self.return_routed_experts = return_routed_experts
+        # False: start work whenever the buffer has room (the old rule; benchmarks compare against it)
+        self.staleness_admission = staleness_admission
+        self._pace = cfg.batch_size                   # samples the trainer takes per step
+        self._next_version: Optional[int] = None      # trainer version of the next batch (None = current)
+        self._wanted = 0                              # samples a waiting get_batch still needs
         self.context_length = context_length          # model.max_seq_len: no request may pass it
         self.stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
@@ -151,7 +158,7 @@ class RolloutDriver(EngineHealth):
         if num_samples > self.buffer.capacity:
             raise ValueError(f"get_batch({num_samples}) does not fit the buffer (capacity {self.buffer.capacity}); "
                              "pass a larger buffer_capacity")
-        self._current_version = current_version
+        self._current_version = self._next_version = current_version
         last_progress = time.monotonic()
         while True:
             self._raise_if_failed()
@@ -159,9 +166,12 @@ class RolloutDriver(EngineHealth):
             if self._batch_ready(num_samples, max_tokens):
                 batch = self.buffer.pop(num_samples) if max_tokens is None else self.buffer.pop(max_tokens=max_tokens)
                 self.stats.observe(batch, current_version)
-                self._last_batch = batch
+                self._last_batch, self._wanted = batch, 0
+                # the next batch is at most one version newer (a step without a policy update keeps it)
+                self._pace, self._next_version = len(batch), current_version + 1
                 self._fill()
                 return batch
+            self._wanted = num_samples
             self._fill()
             self._progress.clear()
             with contextlib.suppress(asyncio.TimeoutError):
@@ -216,6 +226,8 @@ class RolloutDriver(EngineHealth):
         if not self._running or self._error is not None or not self._resumed.is_set():
             return
         while len(self._active) < self.cfg.max_in_flight:
+            if self._admission_room() < (1 if self._pending else self.group_size):
+                return
             if not self._pending:
                 if self.buffer.room() - len(self._active) < self.group_size:
                     return
@@ -223,6 +235,18 @@ class RolloutDriver(EngineHealth):
             sample = self._pending.popleft()
             self._active[sample.uid] = sample
             self._tasks[sample.uid] = asyncio.create_task(self._run(sample), name=f"rollout-{sample.uid}")
+
+    def _admission_room(self) -> int:
+        """Samples that may start now and still be trained within the staleness bound (staleness.py);
+        never less than what a waiting get_batch still needs, so the trainer is never starved."""
+        if not self.staleness_admission:
+            return 1 << 30
+        ahead = len(self._active) + self.buffer.num_ready + self.buffer.num_partial
+        live = [v for n, v in self._versions.items() if n not in self._dead and n not in self._awaiting_weights]
+        next_version = self._current_version if self._next_version is None else self._next_version
+        room = admission_room(bound=self.cfg.staleness_bound, engine_version=min(live or self._versions.values()),
+                              next_train_version=next_version, pace=max(self._pace, 1), ahead=ahead)
+        return max(room, self._wanted - ahead)
 
     def _draw_prompt(self) -> list[Sample]:
         prompt = self.prompt_source.next()
@@ -390,7 +414,8 @@ class RolloutDriver(EngineHealth):
             "rollout/raw_reward": _mean([s.reward for s in batch]),
             "rollout/response_len": _mean([len(s.response_ids) for s in batch]),
             "rollout/staleness_mean": self.stats.mean, "rollout/staleness_max": self.stats.max,
-            "rollout/dropped_stale": self.stats.dropped, "rollout/failed": self.counts["failed"],
+            "rollout/dropped_stale": self.stats.dropped, "rollout/finished": self.counts["finished"],
+            "rollout/failed": self.counts["failed"], "rollout/admission_room": self._admission_room(),
             "rollout/dropped_filtered": self.buffer.dropped_filtered,
             "rollout/samples_per_s": self.counts["finished"] / elapsed if elapsed else 0.0,
             "rollout/in_flight": len(self._active), "rollout/buffered": self.buffer.num_ready,
@@ -407,7 +432,8 @@ class RolloutDriver(EngineHealth):
         work = [_work_state(s) for s in list(self._active.values()) + list(self._pending)]
         return {"prompt_source": self.prompt_source.state_dict(), "buffer": self.buffer.state_dict(),
                 "work": work, "counts": dict(self.counts),
-                "dropped_stale": self.stats.dropped, "current_version": self._current_version}
+                "dropped_stale": self.stats.dropped, "current_version": self._current_version,
+                "next_version": self._next_version}
 
     def load_state_dict(self, state: dict) -> None:
         if self._running:
@@ -418,6 +444,7 @@ class RolloutDriver(EngineHealth):
         self.counts.update(state["counts"])
         self.stats.dropped = state["dropped_stale"]
         self._current_version = state["current_version"]
+        self._next_version = state.get("next_version")
 
 
 def _work_state(sample: Sample) -> dict:

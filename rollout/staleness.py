@@ -50,3 +50,28 @@ class StalenessStats:
         values = [s.staleness(current_version) for s in batch]
         self.mean = sum(values) / len(values) if values else 0.0
         self.max = max(values) if values else 0
+
+
+def admission_room(*, bound: int, engine_version: int, next_train_version: int, pace: int, ahead: int) -> int:
+    """Samples that may start now and still be trained within the staleness bound.
+
+    A sample started now is generated from ``engine_version`` on, so its staleness when trained is at
+    most the trainer's version then minus ``engine_version``. The buffer hands samples out oldest
+    first, ``pace`` per policy step, so ``ahead`` samples already owed to the trainer (buffered, in
+    flight, or waiting for their group) go first: the new one is trained by the batch
+    ``ahead // pace`` after the next, when the trainer's version is at most
+    ``next_train_version + ahead // pace`` (a step raises it by one at most). Keeping that within
+    ``engine_version + bound`` gives
+
+        ahead < (bound + 1 + engine_version - next_train_version) * pace
+
+    which is AReaL's rollout-controller capacity (areal/core/staleness_manager.py,
+    StalenessManager.get_capacity): ``(max_staleness + version + 1) * batch_size - (accepted +
+    running)``, with the samples consumed so far written as ``next_train_version * pace`` and the
+    rest of "accepted" (buffered) in ``ahead``. Counting versions instead of consumed samples keeps
+    it right when steps consume without raising the version (critic warm-up) and across a resume.
+
+    Samples finishing out of start order (a long response started early) can still go over the
+    bound; get_batch drops those (``rollout/dropped_stale``).
+    """
+    return (bound + 1 + engine_version - next_train_version) * pace - ahead

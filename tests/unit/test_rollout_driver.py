@@ -438,7 +438,7 @@ def test_group_mode_stale_groups_are_regenerated_whole():
     eng = engines(2, token_time_s=0.002)
 
     async def main():
-        d = make_driver(eng, cfg)
+        d = make_driver(eng, cfg, staleness_admission=False)   # let groups go stale (buffer room only)
         await d.start()
         await d.get_batch(4, 0)
         await asyncio.sleep(0.1)                       # more groups finish at version 0
