@@ -76,17 +76,14 @@ def engine_command(recipe, slot: EngineSlot, head_host: str = "$HEAD_HOST") -> l
         return [python, "-m", "sao_megatron.cli.main", "serve", "--model", model_path, "--host", "$ENGINE_HOST",
                 "--port", str(slot.port), "--seed", str(recipe.run.seed + slot.engine),
                 "--tp", str(recipe.rollout.engine_tp)] + fp8   # weight-update ranks, as the trainer counts them
-    from rollout.sglang_launcher import SGLangArgs, build_sglang_command
+    from rollout.sglang_launcher import build_sglang_command, sglang_args
 
-    roll = recipe.rollout
     extra: tuple[str, ...] = ()
     if slot.nnodes > 1:
         extra = ("--nnodes", str(slot.nnodes), "--node-rank", str(slot.node_rank),
                  "--dist-init-addr", f"{head_host}:{DIST_INIT_PORT + slot.engine}")
-    args = SGLangArgs(model_path=model_path, host="$ENGINE_HOST", port=slot.port, api_key_config=_OPTIONS_MARK,
-                      tp=roll.engine_tp, ep=roll.engine_ep, dp_attention=roll.engine_dp_attention,
-                      fp8=roll.engine_fp8, mem_fraction=roll.mem_fraction, base_gpu_id=slot.base_gpu,
-                      seed=recipe.run.seed + slot.engine, extra=extra)
+    args = sglang_args(recipe, slot.engine, host="$ENGINE_HOST", port=slot.port, base_gpu_id=slot.base_gpu,
+                       api_key_config=_OPTIONS_MARK, extra=extra)
     try:
         return build_sglang_command(args, python=python)
     except ValueError as err:

@@ -7,6 +7,10 @@ flag against SGLang 0.5.23's server-args fields). `launch_sglang` needs CUDA and
 Placement: engine ``index`` uses GPUs ``[index * gpus_per_engine, (index + 1) * gpus_per_engine)``
 of its node via ``--base-gpu-id`` (gpus_per_engine = tp; dp-attention and EP live inside the TP
 group in SGLang).
+
+`sglang_args` is the one place a recipe becomes SGLang arguments: `launch_sglang` (engines `sao train`
+starts) and launch/engines.py (`sao launch`'s rollout nodes) both call it, so both give engine ``i`` the
+seed ``run.seed + i`` (as the reference server's engines get) and the same flags.
 """
 from __future__ import annotations
 
@@ -40,7 +44,9 @@ class SGLangArgs:
     mem_fraction: float = 0.7
     base_gpu_id: int = 0
     seed: Optional[int] = None
-    extra: tuple[str, ...] = ()
+    indexer_topk: bool = False     # DSA model: return each token's indexer top-k (needs attn_tp_size == 1)
+    extra: tuple[str, ...] = ()    # placement flags (multi-node engines)
+    engine_args: tuple[str, ...] = ()   # rollout.engine_args, last so the log shows them at the end
 
 
 def check_args(a: SGLangArgs) -> None:
@@ -50,8 +56,14 @@ def check_args(a: SGLangArgs) -> None:
     if a.tp % a.ep:
         raise ValueError(f"rollout.engine_ep={a.ep} must divide rollout.engine_tp={a.tp} (SGLang's EP lives "
                          "inside the TP group)")
-    if a.dp_attention and a.tp % a.dp_attention:
+    if a.dp_attention and a.tp % a.dp_attention:   # SGLang asserts it: arg_groups/parallel_hook.py:326
         raise ValueError(f"rollout.engine_dp_attention={a.dp_attention} must divide rollout.engine_tp={a.tp}")
+    if a.indexer_topk and a.tp > 1 and a.dp_attention != a.tp:
+        # The capturer asserts attn_tp_size == 1 (state_capturer/indexer_topk.py:32-33), and attn_tp_size =
+        # tp_size // attn_dp_size // attn_cp_size (runtime_context.py:73-76).
+        raise ValueError(f"rollout.engine_dp_attention={a.dp_attention}: a DSA model's indexer replay needs DP "
+                         f"attention across the whole engine (SGLang returns indexer top-k only when attention "
+                         f"is not tensor-parallel); set it to rollout.engine_tp={a.tp} (or 0 = that)")
     if not 0 < a.mem_fraction < 1:
         raise ValueError(f"rollout.mem_fraction={a.mem_fraction} must be in (0, 1)")
 
@@ -68,7 +80,15 @@ def build_sglang_command(a: SGLangArgs, python: str = sys.executable) -> list[st
            "--enable-return-routed-experts",   # routing replay needs every token's experts
            "--weight-version", "0"]            # our versions are ints; SGLang's default is "default"
     if a.dp_attention:
+        # 0.5.23's DP attention: `--attn-dp-size N` (arg_groups/fields/parallel.py:81-90); the old spelling
+        # `--dp-size N --enable-dp-attention` is deprecated (server_args.py:413-421) and --dp-size > 1 with
+        # it is refused (arg_groups/parallel_hook.py:287-292).
         cmd += ["--attn-dp-size", str(a.dp_attention)]
+    if a.indexer_topk:
+        # meta_info["indexer_topk"] for indexer replay (arg_groups/fields/exec_.py:161-164); the DSA
+        # attention backend and the indexer's RoPE style come from config.json (arg_groups/overrides.py
+        # _deepseek_family_overrides; models/deepseek_v2.py:2118 reads indexer_rope_interleave).
+        cmd += ["--enable-return-indexer-topk"]
     if a.fp8:
         # model_path is then a block-FP8 checkpoint (rollout.engine_model_path, checked by
         # trainer/engines.py): its quantization_config makes Fp8Config fp8-serialized with 128x128 blocks
@@ -83,15 +103,50 @@ def build_sglang_command(a: SGLangArgs, python: str = sys.executable) -> list[st
         cmd += ["--config", a.api_key_config]   # SGLang's YAML options file (server_args.py --config)
     if a.seed is not None:
         cmd += ["--random-seed", str(a.seed)]
-    return cmd + list(a.extra)
+    return cmd + list(a.extra) + list(a.engine_args)
+
+
+INDEXER_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")   # GlmMoeDsaConfig defaults index_topk to 2048
+
+
+def has_indexer(hf: dict) -> bool:
+    """A DSA model (GLM-5, DeepSeek-V3.2): SGLang runs its indexer when config.json has index_topk
+    (configs/model_config.py:191-211 is_deepseek_dsa)."""
+    return bool(hf.get("index_topk")) or hf.get("model_type") in INDEXER_MODEL_TYPES
+
+
+def engine_model_config(recipe) -> dict:
+    """config.json of the engines' model, else (a job rendered where the model is not) the recipe's named
+    shape, else {}."""
+    model_path = recipe.rollout.engine_model_path or str(recipe.model.path)
+    path = Path(model_path) / "config.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    from checkpoints.arch import ARCHS
+
+    family = ARCHS.get(recipe.model.arch)
+    return dict(family.shapes.get(recipe.model.shape_preset, {})) if family else {}
+
+
+def sglang_args(recipe, engine: int, *, host: str, port: int, base_gpu_id: int, api_key: str = "",
+                api_key_config: str = "", extra: tuple[str, ...] = ()) -> SGLangArgs:
+    """SGLang arguments of engine `engine` of a recipe: the one mapping from recipe fields to flags.
+    A DSA model gets indexer top-k returned and, when rollout.engine_dp_attention is 0, DP attention
+    across the engine (check_args names the field when another value is set)."""
+    r = recipe.rollout
+    indexer = has_indexer(engine_model_config(recipe))
+    dp_attention = r.engine_dp_attention or (r.engine_tp if indexer and r.engine_tp > 1 else 0)
+    return SGLangArgs(model_path=r.engine_model_path or str(recipe.model.path), host=host, port=port,
+                      api_key=api_key, api_key_config=api_key_config, tp=r.engine_tp, ep=r.engine_ep,
+                      dp_attention=dp_attention, fp8=r.engine_fp8, mem_fraction=r.mem_fraction,
+                      base_gpu_id=base_gpu_id, seed=recipe.run.seed + engine, indexer_topk=indexer, extra=extra,
+                      engine_args=tuple(r.engine_args))
 
 
 def args_from_recipe(recipe, index: int, port: int, api_key: str) -> SGLangArgs:
-    r = recipe.rollout
-    return SGLangArgs(model_path=r.engine_model_path or str(recipe.model.path), host=r.host, port=port, api_key=api_key,
-                      tp=r.engine_tp, ep=r.engine_ep, dp_attention=r.engine_dp_attention, fp8=r.engine_fp8,
-                      mem_fraction=r.mem_fraction, base_gpu_id=index * r.engine_tp,
-                      seed=getattr(recipe.run, "seed", None))
+    """Engine `index` started on this node (`sao train`): its GPUs follow the previous engines'."""
+    return sglang_args(recipe, index, host=recipe.rollout.host, port=port, base_gpu_id=index * recipe.rollout.engine_tp,
+                       api_key=api_key)
 
 
 def write_key_config(path: str | Path, api_key: str) -> Path:

@@ -37,7 +37,7 @@ def test_command_from_recipe(tmp_path):
     assert flag(cmd, "--tp-size") == "4" and flag(cmd, "--ep-size") == "4" and flag(cmd, "--attn-dp-size") == "2"
     assert flag(cmd, "--quantization") == "fp8" and flag(cmd, "--mem-fraction-static") == "0.6"
     assert flag(cmd, "--base-gpu-id") == "4"             # engine 1 of tp=4 starts at GPU 4
-    assert flag(cmd, "--random-seed") == "11" and flag(cmd, "--weight-version") == "0"
+    assert flag(cmd, "--random-seed") == "12" and flag(cmd, "--weight-version") == "0"   # run.seed + engine index
     assert "--enable-return-routed-experts" in cmd
 
 

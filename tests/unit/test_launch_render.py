@@ -50,8 +50,9 @@ def test_750b_script_splits_40_nodes_and_keeps_hyperparameters_out_of_bash(tmp_p
     script = render_script(recipe, _paths(tmp_path))
     for line in ("#SBATCH --nodes=40", "#SBATCH --gpus-per-node=8", "#SBATCH --requeue",
                  "#SBATCH --signal=B:USR1@900", "#SBATCH --time=48:00:00", 'ROLLOUT_NODES=("${NODES[@]:0:8}")',
-                 "--nodes=32 --ntasks=256 --ntasks-per-node=8", "export SGLANG_NSA_FORCE_MLA=1", "export CUDA_DEVICE_MAX_CONNECTIONS=1"):
+                 "--nodes=32 --ntasks=256 --ntasks-per-node=8", "export CUDA_DEVICE_MAX_CONNECTIONS=1"):
         assert line in script
+    assert "SGLANG_NSA_FORCE_MLA" not in script and "INDEXER_ROPE_NEOX_STYLE" not in script   # not SGLang 0.5.23's
     assert 'ENGINE_URLS+=("http://${ADDR_OF[${ROLLOUT_NODES[0]}]}:30000")' in script and script.count("ENGINE_URLS+=") == 1
     for hyper in ("lr", "1e-06", "eps_", "batch_size", "micro_batch", "16384", "tp-size"):
         assert hyper not in script
@@ -64,6 +65,7 @@ def test_750b_engine_spans_8_nodes_with_sglang_multinode_flags():
     assert "--tp-size 64 --ep-size 64" in node3 and "--attn-dp-size 64" in node3 and "--quantization fp8" in node3
     assert "--nnodes 8 --node-rank 3" in node3 and '--dist-init-addr "$HEAD_HOST:29600"' in node3
     assert "--enable-return-routed-experts" in node3 and '--config "$SAO_ENGINE_OPTIONS"' in node3
+    assert "--enable-return-indexer-topk" in node3   # GLM-5's DSA indexer, replayed by the trainer
     assert "--api-key" not in node3   # the key is read from a 0600 file written from the environment
     assert 'os.environ["SAO_API_KEY"]' in node3 and 'SAO_ENGINE_OPTIONS="$(mktemp --suffix=.yaml)"' in node3
     subprocess.run(["bash", "-n"], input=node3, text=True, check=True)

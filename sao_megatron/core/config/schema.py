@@ -13,6 +13,9 @@ from typing import Literal, Optional
 from . import text_rules
 from .bounds import check_bounds
 from .errors import ConfigError
+from ..imports import resolve_import_path
+
+ENGINE_ARGS_CHECK = "rollout.sglang_flags:check_engine_args"
 
 
 def doc(default, text: str, bounds: str = ""):
@@ -129,6 +132,10 @@ class RolloutConfig:
                                   "sends them FP8 blocks with their scales (docs/weight-transports.md, FP8 engines).")
     engine_model_path: str = doc("", "Checkpoint the engines load ('' = model.path). SGLang with engine_fp8: a "
                                      "block-FP8 checkpoint of the model (quantization_config fp8, [128, 128] blocks).")
+    engine_args: list = doc([], "SGLang: extra `sglang.launch_server` flags appended to every engine's argv (and to "
+                                "`sao launch`'s script), each flag and value its own item, e.g. "
+                                "[\"--chunked-prefill-size\", \"4096\"]; checked against SGLang 0.5.23's flags. "
+                                "Flags other fields set, and speculative decoding, are refused (docs/engines.md).")
     mode: Literal["single", "group"] = doc("single", "single: one rollout per prompt (SAO); group: n per prompt.")
     n_samples_per_prompt: int = doc(1, "Rollouts per prompt in group mode.", bounds=">= 1")
     batch_size: int = doc(16, "Samples per policy step (SAO paper: 128).", bounds=">= 1")
@@ -177,6 +184,10 @@ class RolloutConfig:
                  "set rollout.task (e.g. countdown) or rollout.dataset to a jsonl file")
         _require(self.top_k != 0, f"{p}.top_k", "0 keeps no token", "use -1 (off) or a positive k")
         text_rules.check_rollout_text(self, p)
+        if self.engine_args:   # SGLang's flag table lives with the launcher (rollout/), reached by path
+            _require(self.engine == "sglang", f"{p}.engine_args", "SGLang flags with rollout.engine = "
+                     f"{self.engine!r}", "clear rollout.engine_args or set rollout.engine = 'sglang'")
+            resolve_import_path(ENGINE_ARGS_CHECK, f"{p}.engine_args")(self.engine_args)
         check_bounds(self, p)
 
 

@@ -1,0 +1,84 @@
+"""Recipe -> SGLang arguments shared by `sao train` and `sao launch`: rollout.engine_args, DSA models
+(indexer top-k with DP attention), engine seeds, and the one-line refusals of bad engine_args."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from launch.engines import EngineSlot, engine_command
+from rollout.sglang_flags import parse_flags
+from rollout.sglang_launcher import args_from_recipe, build_sglang_command
+from sao_megatron.core.config import ConfigError
+from sao_megatron.core.config.recipe import load_recipe
+
+
+def _recipe(tmp_path, rollout: str = "", hf: dict | None = None):
+    model = tmp_path / "m"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(hf or {}))
+    path = tmp_path / "r.toml"
+    path.write_text(f'[model]\npath = "{model}"\n[run]\nseed = 7\n[rollout]\nengine = "sglang"\n{rollout}\n')
+    return load_recipe(path, [], check_files=False)
+
+
+def _flag(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def test_engine_args_reach_both_commands_and_seeds_agree(tmp_path):
+    recipe = _recipe(tmp_path, 'engine_tp = 2\nengine_args = ["--chunked-prefill-size", "4096", "--disable-radix-cache"]')
+    local = build_sglang_command(args_from_recipe(recipe, index=1, port=31000, api_key=""), python="py")
+    slurm = engine_command(recipe, EngineSlot(engine=1, node=0, head_node=0, node_rank=0, nnodes=1, base_gpu=2,
+                                              port=31000))
+    for cmd in (local, slurm):
+        assert cmd[-3:] == ["--chunked-prefill-size", "4096", "--disable-radix-cache"]
+        assert _flag(cmd, "--random-seed") == "8" and _flag(cmd, "--base-gpu-id") == "2"   # run.seed + engine 1
+    assert "--enable-return-indexer-topk" not in local and "--attn-dp-size" not in local   # no indexer
+
+
+@pytest.mark.parametrize("hf", [{"model_type": "glm_moe_dsa"}, {"model_type": "deepseek_v3", "index_topk": 2048}])
+def test_indexer_models_return_topk_with_dp_attention_over_the_engine(tmp_path, hf):
+    recipe = _recipe(tmp_path, "engine_tp = 8\nengine_ep = 8", hf)
+    cmd = build_sglang_command(args_from_recipe(recipe, 0, 30000, ""), python="py")
+    assert "--enable-return-indexer-topk" in cmd and _flag(cmd, "--attn-dp-size") == "8"
+    parse_flags(cmd[3:])   # every rendered flag is one SGLang 0.5.23 knows, with its arity
+
+
+def test_dense_deepseek_v3_has_no_indexer_flag(tmp_path):
+    recipe = _recipe(tmp_path, "engine_tp = 8", {"model_type": "deepseek_v3"})
+    assert "--enable-return-indexer-topk" not in build_sglang_command(args_from_recipe(recipe, 0, 30000, ""))
+
+
+def test_indexer_model_with_attention_tp_names_the_field(tmp_path):
+    recipe = _recipe(tmp_path, "engine_tp = 8\nengine_dp_attention = 2", {"model_type": "glm_moe_dsa"})
+    with pytest.raises(ValueError, match=r"rollout.engine_dp_attention=2: .* set it to rollout.engine_tp=8"):
+        build_sglang_command(args_from_recipe(recipe, 0, 30000, ""))
+    slot = EngineSlot(0, 0, 0, 0, 1, 0, 30000)
+    with pytest.raises(ConfigError, match="rollout.engine_dp_attention=2"):
+        engine_command(recipe, slot)
+
+
+@pytest.mark.parametrize("value, needle", [
+    ('"--disable-radix-cache"', "expected a list"),   # the loader's type check
+    ("[1, 2]", "is not a list of strings"),
+    ('["--no-such-flag"]', "SGLang 0.5.23 has no flag --no-such-flag"),
+    ('["--chunked-prefill-size"]', "--chunked-prefill-size needs a value"),
+    ('["--disable-radix-cache", "yes"]', "'yes' is not a flag"),
+    ('["--disable-radix-cache=1"]', "is a switch and takes no value"),
+    ('["--tp-size", "4"]', "--tp-size is set by the launcher from rollout.engine_tp"),
+    ('["--tensor-parallel-size", "4"]', "set by the launcher from rollout.engine_tp"),   # an alias, same field
+    ('["--speculative-algorithm", "NEXTN"]', "speculative decoding is off for RL engines"),
+    ('["--speculative-num-steps", "3"]', "speculative decoding is off"),
+])
+def test_bad_engine_args_are_one_line_recipe_errors(tmp_path, value, needle):
+    with pytest.raises(ConfigError, match="rollout.engine_args") as err:
+        _recipe(tmp_path, f"engine_args = {value}")
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_engine_args_need_sglang(tmp_path):
+    path = tmp_path / "r.toml"
+    path.write_text('[model]\npath = "m"\n[rollout]\nengine = "reference"\nengine_args = ["--disable-radix-cache"]\n')
+    with pytest.raises(ConfigError, match="rollout.engine_args: SGLang flags with rollout.engine = 'reference'"):
+        load_recipe(path, [], check_files=False)
