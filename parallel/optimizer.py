@@ -9,6 +9,12 @@ optimizer CPU offload (parallel.optimizer_offload: Megatron's HybridDeviceOptimi
 fp32 master weights on the host and steps them with CPU Adam; it cannot run on a CPU-only torch,
 where it is refused in one line).
 
+Learning rate (``LrSchedule``): Megatron's OptimizerParamScheduler (megatron/core/optimizer_param_scheduler.py:215
+get_lr) over this model's optimizer steps: linear warm-up from 0 to ``lr`` over ``warmup_steps``, then constant,
+linear or cosine decay to ``lr_min`` at the last step. The k-th optimizer step runs at the schedule's step k (the
+scheduler is advanced just before it), so step 1 of a warm-up is already lr/warmup, not 0, and the last step is at
+lr_min. Its only state is that step count; the run checkpoint keeps it (TrainerState.lr_steps) and a resume sets it.
+
 Step (``guarded_step``): copy main grads -> global grad norm -> if the norm (or the loss) is not
 finite, zero the grads and report ``skipped`` without touching parameters or Adam moments; else
 clip by ``max_norm / (norm + 1e-6)`` when that is < 1 and apply.
@@ -32,6 +38,10 @@ class OptimSettings:
     bf16: bool = False
     distributed: bool = False
     offload: bool = False          # Adam state + fp32 master on the host (GPU only)
+    lr_schedule: str = "constant"  # constant | linear | cosine (after the warm-up)
+    lr_warmup_steps: int = 0
+    lr_min: float = 0.0
+    total_steps: int = 1           # optimizer steps of the whole run: where linear/cosine reach lr_min
 
 
 def wrap_ddp(chunks: list[torch.nn.Module], config, distributed_optimizer: bool = False) -> list[torch.nn.Module]:
@@ -48,13 +58,41 @@ def build_optimizer(ddp_chunks: list[torch.nn.Module], settings: OptimSettings):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     config = OptimizerConfig(
-        optimizer="adam", lr=settings.lr, min_lr=settings.lr, weight_decay=settings.weight_decay,
+        optimizer="adam", lr=settings.lr, min_lr=min(settings.lr_min, settings.lr), weight_decay=settings.weight_decay,
         adam_beta1=settings.beta1, adam_beta2=settings.beta2, adam_eps=settings.eps,
         clip_grad=settings.clip_grad, bf16=settings.bf16,
         params_dtype=torch.bfloat16 if settings.bf16 else torch.float32,
         use_distributed_optimizer=settings.distributed,
         optimizer_cpu_offload=settings.offload, optimizer_offload_fraction=1.0 if settings.offload else 0.0)
     return get_megatron_optimizer(config, ddp_chunks)
+
+
+class LrSchedule:
+    """This model's learning rate per optimizer step, through Megatron's OptimizerParamScheduler."""
+
+    def __init__(self, opt, settings: OptimSettings):
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        warmup = settings.lr_warmup_steps
+        # Megatron asserts warmup < decay steps; a constant schedule never reads the decay length.
+        decay = max(settings.total_steps, warmup + 1)
+        self.scheduler = OptimizerParamScheduler(
+            opt, init_lr=0.0, max_lr=settings.lr, min_lr=min(settings.lr_min, settings.lr), lr_warmup_steps=warmup,
+            lr_decay_steps=decay, lr_decay_style=settings.lr_schedule, start_wd=settings.weight_decay,
+            end_wd=settings.weight_decay, wd_incr_steps=decay, wd_incr_style="constant")
+
+    @property
+    def steps(self) -> int:
+        return self.scheduler.num_steps
+
+    def advance(self) -> None:
+        """Before an optimizer step: set the lr of the step about to run."""
+        self.scheduler.step(1)
+
+    def resume_at(self, steps: int) -> None:
+        """Continue a saved run: the lr its next step would have had."""
+        self.scheduler.num_steps = 0
+        self.scheduler.step(int(steps))
 
 
 def sub_optimizers(opt) -> list:

@@ -1,6 +1,6 @@
 """RLModel: the policy or critic Megatron model of this rank, as the trainer sees it.
 
-    model = RLModel.build(recipe, "policy")       # or "critic"
+    model = RLModel.build(recipe, "policy")       # or "critic", or "reference" (forward only, no optimizer)
     model.load_hf_state_dict(hf_tensors)          # full HF state dict -> this rank's shards
     [(logp, entropy), ...] = model.compute_logprobs(micro_batches)
     metrics = model.train_step(micro_batches, loss_fn)
@@ -28,13 +28,13 @@ from .distributed import comm_device
 from .hf_mapping import HFMapping
 from .logprobs import shift_to_tokens, token_logprobs_from_logits
 from .offload import ModelParking
-from .optimizer import OptimSettings, build_optimizer, current_lr, guarded_step, loss_is_finite, wrap_ddp
+from .optimizer import LrSchedule, OptimSettings, build_optimizer, current_lr, guarded_step, loss_is_finite, wrap_ddp
 from .packing import seq_multiple
 from .routing_replay import RouteReplayer
 from .schedule import configure_per_token_loss, run_schedule
 from .weights import export_hf_tensors, load_hf_tensors
 
-ROLES = ("policy", "critic")
+ROLES = ("policy", "critic", "reference")
 
 
 class RLModel:
@@ -49,13 +49,14 @@ class RLModel:
         self.replayer = RouteReplayer([c.module for c in chunks], config.num_layers,
                                       self.shape.top_k, dims.sequence_parallel)
         self.parking = ModelParking(self)
+        self.lr = None if optimizer is None else LrSchedule(optimizer, _optim_settings(recipe, role, config))
 
     # -- construction ------------------------------------------------------------------------------
     @classmethod
     def build(cls, recipe, role: str) -> "RLModel":
         """Model + optimizer of this rank under recipe.parallel (initialises process groups if needed)."""
         if role not in ROLES:
-            raise ValueError(f"RLModel role {role!r}; use 'policy' or 'critic'")
+            raise ValueError(f"RLModel role {role!r}; use one of {', '.join(ROLES)}")
         _refuse_gpu_only_options(recipe)
         hf = model_build.read_hf_config(recipe.model.path)
         dims = _setup_groups(recipe, specs.arch_shape(hf))
@@ -67,17 +68,17 @@ class RLModel:
             if recipe.model.recompute == "full":
                 config.recompute_method, config.recompute_num_layers = "uniform", 1
         configure_per_token_loss(config)
+        config.dsa_indexer_loss_coeff = recipe.model.indexer_loss_coeff if role == "policy" else 0.0
         critic = role == "critic"
         chunks = model_build.build_chunks(hf, config, critic, recipe.model.transformer_impl, recipe.model.max_seq_len)
         if critic and recipe.critic.freeze_attention:
             model_build.freeze_attention(chunks)
+        if role == "reference":   # forward only: no gradient buffers (DDP holds none for frozen parameters)
+            for chunk in chunks:
+                chunk.requires_grad_(False)
         ddp = wrap_ddp(chunks, config, recipe.parallel.distributed_optimizer)
-        algo = recipe.algorithm
-        settings = OptimSettings(lr=recipe.critic.lr if critic else algo.lr, weight_decay=algo.weight_decay,
-                                 beta1=algo.adam_beta1, beta2=algo.adam_beta2, clip_grad=algo.grad_clip,
-                                 bf16=dtype == torch.bfloat16, distributed=recipe.parallel.distributed_optimizer,
-                                 offload=recipe.parallel.optimizer_offload)
-        return cls(role, recipe, hf, dims, config, ddp, build_optimizer(ddp, settings), algo.grad_clip)
+        optimizer = None if role == "reference" else build_optimizer(ddp, _optim_settings(recipe, role, config))
+        return cls(role, recipe, hf, dims, config, ddp, optimizer, recipe.algorithm.grad_clip)
 
     @property
     def modules(self) -> list[torch.nn.Module]:
@@ -152,7 +153,7 @@ class RLModel:
         """Per batch (logp [rows, seq], entropy [rows, seq]) at rollout.temperature; no grad; replayed
         routes when given."""
         self.parking.unpark()
-        self._require_role("policy", "compute_logprobs")
+        self._require_role(("policy", "reference"), "compute_logprobs")
 
         def on_output(i, batch, logits):
             logp, ent = self._token_logprobs(batch, logits)
@@ -165,7 +166,7 @@ class RLModel:
     def compute_values(self, batches: list[TrainBatch]) -> list[torch.Tensor]:
         """Critic values [rows, seq] per batch (value at t from the hidden state at t-1; 0 at t=0)."""
         self.parking.unpark()
-        self._require_role("critic", "compute_values")
+        self._require_role(("critic",), "compute_values")
 
         def on_output(i, batch, raw):
             values = self._values(batch, raw)
@@ -176,8 +177,10 @@ class RLModel:
 
     # -- training ----------------------------------------------------------------------------------
     def train_step(self, batches: list[TrainBatch], loss_fn: Callable[[TrainBatch, dict], LossOutputs]) -> dict[str, float]:
-        """Forward-backward over the micro-batches, then one optimizer step (skipped if non-finite)."""
+        """Forward-backward over the micro-batches, then one optimizer step (skipped if non-finite) at the
+        learning rate of the next step of the schedule (a skipped step still uses up its place)."""
         self.parking.unpark()
+        self._require_role(("policy", "critic"), "train_step")
         for chunk in self.chunks:
             chunk.train()
             chunk.zero_grad_buffer()
@@ -191,6 +194,7 @@ class RLModel:
             self.replayer.clear()
         metrics = _reduce_metrics(store)
         finite = loss_is_finite(metrics.get("loss", 0.0))
+        self.lr.advance()
         applied, grad_norm = guarded_step(self.optimizer, self.clip_grad, finite)
         metrics.update(grad_norm=grad_norm, lr=current_lr(self.optimizer), skipped=0.0 if applied else 1.0)
         if any(b.routed_experts is not None for b in batches):
@@ -210,9 +214,9 @@ class RLModel:
             return _call_loss(loss_fn, batch, {"values": self._values(batch, raw)})
         return on_output
 
-    def _require_role(self, role: str, what: str) -> None:
-        if self.role != role:
-            raise TypeError(f"RLModel.{what} needs the {role} model; this is the {self.role}")
+    def _require_role(self, roles: tuple, what: str) -> None:
+        if self.role not in roles:
+            raise TypeError(f"RLModel.{what} needs the {' or '.join(roles)} model; this is the {self.role}")
 
     # -- swap (critic.placement = swap) ----------------------------------------------------------------
     def park(self) -> None:
@@ -284,6 +288,23 @@ class RLModel:
         for chunk, sd in zip(self.chunks, state["model"]):
             chunk.module.load_state_dict(sd)
         self.optimizer.load_state_dict(state["optimizer"])
+
+
+def _optim_settings(recipe, role: str, config) -> OptimSettings:
+    """The role's optimizer and learning-rate schedule; the schedule spans the run's optimizer steps: the
+    policy's run.num_steps x algorithm.mini_batches, the critic's (pretrain + warm-up + run.num_steps) x
+    critic.updates_per_step (trainer/state.py counts the warm-up the same way)."""
+    algo, critic = recipe.algorithm, recipe.critic
+    if role == "critic":
+        steps = (critic.pretrain_steps + critic.warmup_steps + recipe.run.num_steps) * critic.updates_per_step
+    else:
+        steps = recipe.run.num_steps * algo.mini_batches
+    lr = critic if role == "critic" else algo
+    return OptimSettings(lr=lr.lr, weight_decay=algo.weight_decay, beta1=algo.adam_beta1, beta2=algo.adam_beta2,
+                         clip_grad=algo.grad_clip, bf16=config.params_dtype == torch.bfloat16,
+                         distributed=recipe.parallel.distributed_optimizer, offload=recipe.parallel.optimizer_offload,
+                         lr_schedule=lr.lr_schedule, lr_warmup_steps=lr.lr_warmup_steps, lr_min=lr.lr_min,
+                         total_steps=max(steps, 1))
 
 
 def _refuse_gpu_only_options(recipe) -> None:

@@ -6,6 +6,10 @@ log-ratio d = log pi_ref(y) - log pi_theta(y) (so r = pi_ref / pi_theta = exp(d)
 - k1 = -d = logp - ref_logp                 unbiased for KL(pi_theta || pi_ref), high variance
 - k2 = d^2 / 2                               biased, low variance
 - k3 = r - 1 - log r = exp(d) - d - 1        unbiased and >= 0 (the GRPO penalty, arXiv 2402.03300 eq. 4)
+- low_var_kl = min(k3, 10)                   k3 clamped to [-10, 10], as verl and slime do
+
+Names: verl's ``kl_penalty`` and slime's ``--kl-loss-type`` use k1/"kl", k2/"mse", k3 and "low_var_kl"
+(verl clamps its "k3" too; here "k3" is unclamped and "low_var_kl" is the clamped one, as in slime).
 
 As a *reward penalty* (``kl_penalty``) any estimator is fine: it is a detached number. As a *loss term*
 the estimator is differentiated, and that is where implementations go wrong (Known bug 6):
@@ -19,11 +23,13 @@ from __future__ import annotations
 
 import torch
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+ALIASES = {"kl": "k1", "mse": "k2"}   # verl's names for the same estimators
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """Per-token KL(pi_theta || pi_ref) estimate (formulas in the module docstring); differentiable."""
+    estimator = ALIASES.get(estimator, estimator)
     d = ref_logp - logp
     if estimator == "k1":
         return -d
@@ -33,6 +39,8 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3
         # Clamp d so exp cannot overflow on a pathological token; the clamp is far outside any real ratio.
         d = d.clamp(-20.0, 20.0)
         return torch.exp(d) - d - 1.0
+    if estimator == "low_var_kl":
+        return kl_estimate(logp, ref_logp, "k3").clamp(-10.0, 10.0)
     raise ValueError(f"algorithm.kl_estimator: unknown {estimator!r}; fix: use one of {', '.join(KL_ESTIMATORS)}")
 
 

@@ -38,6 +38,7 @@ class Components:
     sink: Optional[MetricSink] = None    # rank 0
     tokenizer: Optional[Any] = None      # rank 0
     engines: list = field(default_factory=list)   # rank 0's engine clients (evaluation runs on them)
+    reference: Optional[Any] = None      # RLModel "reference" (algorithm.kl_coef > 0), parked while idle
 
     @property
     def is_driver(self) -> bool:
@@ -51,7 +52,7 @@ async def build_components(recipe: Recipe, rank: int = 0, world_size: int = 1) -
     _seed_everything(recipe.run.seed + rank)
     debug = recipe.run.debug
     async with contextlib.AsyncExitStack() as stack:
-        policy, critic = _build_models(recipe, with_critic=debug != "rollout-only")
+        policy, critic, reference = _build_models(recipe, trains=debug != "rollout-only")
         tokenizer = sink = samples = restarts = None
         engines = []
         if rank == 0:
@@ -83,24 +84,36 @@ async def build_components(recipe: Recipe, rank: int = 0, world_size: int = 1) -
         if samples is not None:
             stack.push_async_callback(samples.stop)
         yield Components(rank, world_size, policy, critic, samples, weights, checkpoints, trains=debug != "rollout-only",
-                         sink=sink, tokenizer=tokenizer, engines=engines)
+                         sink=sink, tokenizer=tokenizer, engines=engines, reference=reference)
 
 
-def _build_models(recipe: Recipe, with_critic: bool):
+def _build_models(recipe: Recipe, trains: bool):
+    """Policy, critic (or None) and the KL reference (or None: kl_coef = 0, or a run that never trains)."""
     from parallel.rl_model import RLModel
-    from safetensors.torch import load_file
 
-    hf = {}
-    for shard in sorted(Path(recipe.model.path).glob("*.safetensors")):
-        hf.update(load_file(shard))
+    hf = _read_hf_weights(recipe.model.path)
     policy = RLModel.build(recipe, "policy")
     policy.load_hf_state_dict(hf)
-    critic = None
-    if recipe.critic.enabled and with_critic:
+    critic = reference = None
+    if recipe.critic.enabled and trains:
         critic = RLModel.build(recipe, "critic")
         if recipe.critic.init_from_policy:
             critic.load_hf_state_dict(hf)
-    return policy, critic
+    if recipe.algorithm.kl_coef > 0 and trains:
+        reference = RLModel.build(recipe, "reference")
+        ref_path = recipe.algorithm.ref_model_path
+        reference.load_hf_state_dict(_read_hf_weights(ref_path) if ref_path else hf)
+        reference.park()   # host memory until the step's reference pass (parallel/offload.py)
+    return policy, critic, reference
+
+
+def _read_hf_weights(path) -> dict:
+    from safetensors.torch import load_file
+
+    hf = {}
+    for shard in sorted(Path(path).glob("*.safetensors")):
+        hf.update(load_file(shard))
+    return hf
 
 
 async def _build_rollout(recipe: Recipe, tokenizer, stack: contextlib.AsyncExitStack):
@@ -142,8 +155,13 @@ def _build_sink(recipe: Recipe, stack: contextlib.AsyncExitStack):
 
     from .state import total_steps
 
+    from sao_megatron.metrics.rewind import rewind_metrics
+
+    from .checkpointing import resumed_step
+
     marker = recipe.run_dir / "wandb_run_id"
     resume_id = marker.read_text().strip() if marker.exists() else ""
+    resume_id = rewind_metrics(recipe.run_dir, resumed_step(recipe), resume_id)   # no step is logged twice
     sink = build_metric_sink(recipe.logging, recipe.run.name, recipe.run_dir, total_steps(recipe),
                              recipe.to_dict(), resume_id=resume_id)
     if sink.run_id:

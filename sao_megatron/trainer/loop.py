@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from checkpoints.run_state import PREFIX as CHECKPOINT_PREFIX
+from checkpoints.run_state import CheckpointWriteError
 from sao_megatron.core.config import Recipe
 from sao_megatron.core.records import Sample, TrainBatch
 
@@ -33,6 +34,7 @@ from .agreement import ErrorAgreement, RankFailed
 from .batching import advantage_batch, gather_responses, pack_samples, with_advantages, with_counts
 from .checkpointing import StepStart, checkpoint_parts, report_resume, step_start_parts
 from .components import Components
+from .speed import SpeedMeter, StepClock
 from .state import TrainerState, total_steps, warmup_steps
 from .stopping import CollectionStopped, Stop, collect_until_stopped, share_batch
 
@@ -50,6 +52,8 @@ class Trainer:
         self.preempted = False       # a preemption signal reached some rank (agreed at the step's end)
         self.where = "starting"      # what the step is doing, for the one line of a failure
         self.agreement = ErrorAgreement(parts.rank, parts.world_size, recipe.run_dir)
+        self.clock = StepClock()     # this step's seconds per phase (speed.py)
+        self.speed = SpeedMeter(getattr(parts.policy, "hf_config", None), parts.world_size)
 
     async def on_model_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._model_thread, fn, *args)
@@ -76,7 +80,8 @@ class Trainer:
             raise
         except Exception as err:
             if parts.world_size == 1:
-                await self.save_last_completed_step()
+                if not isinstance(err, CheckpointWriteError):   # a save that failed is not tried again
+                    await self.save_last_completed_step()
                 raise
             # inside a collective region: the other ranks cannot join a save (agreement.py)
             failed = self.agreement.alone(err, self.where)
@@ -129,9 +134,11 @@ class Trainer:
 
     async def train_step(self) -> None:
         parts, state = self.parts, self.state
-        started, version, stats = time.perf_counter(), state.version, {}
+        started, version, stats, batches = time.perf_counter(), state.version, {}, None
+        self.clock = StepClock()
         self.step_start = StepStart.take(state)
-        samples = await self.collect()
+        with self.clock.phase("rollout_wait"):
+            samples = await self.collect()
         self.step_start.batch = samples
         if parts.trains:
             batches, stats = await self.prepare(samples)
@@ -140,11 +147,13 @@ class Trainer:
             if state.step >= self.warmup:
                 stats |= await self.update_policy(batches)
                 self.where = "syncing weights"
-                stats |= await parts.weights.sync(state.version + 1)
+                with self.clock.phase("weight_sync"):
+                    stats |= await parts.weights.sync(state.version + 1)
                 state.version += 1
         state.step += 1
         self.consistent, self.step_start = True, None
         stats["perf/step_time_s"] = time.perf_counter() - started
+        stats |= self.speed.step_metrics(self.clock, samples, stats["perf/step_time_s"], batches)
         self.preempted = await self.agreed("logging the step", self.report, samples, version, stats)
         self.where = "saving a checkpoint"
         await parts.checkpoints.maybe_save(state.step, state.step == self.total or self.preempted,
@@ -180,10 +189,14 @@ class Trainer:
         """Continue from the latest checkpoint (if any), give the engines its weights, then start rollouts."""
         loaded = self.parts.checkpoints.resume(checkpoint_parts(self.parts, self.state))
         report_resume(loaded, self.state, self.parts.rank)
+        for role, model in (("policy", self.parts.policy), ("critic", self.parts.critic)):
+            if getattr(model, "lr", None) is not None:   # the learning-rate schedule continues where it was
+                model.lr.resume_at(self.state.lr_steps.get(role, 0))
         if loaded is not None:
             await self.parts.weights.after_resume(self.state.version)
         if self.parts.samples is not None:
             await self.parts.samples.start()
+            self.speed.start_counting(self.parts.samples.metrics())
 
     async def collect(self) -> list[Sample]:
         """Rank 0 gets finished samples from its sample source; the other ranks receive them."""
@@ -200,24 +213,59 @@ class Trainer:
         return share_batch(samples, self.parts.world_size)
 
     async def prepare(self, samples: list[Sample]):
-        """Pack the samples once -> critic values on those batches -> advantages -> the batches with them.
-        The local parts end at agreement points, before the critic's forward (a collective) and after."""
-        packed = raw = None
-        if self.parts.critic is not None:
+        """Pack the samples once -> critic values and reference logprobs on those batches -> advantages ->
+        the batches with them. The local parts end at agreement points, before the model passes
+        (collectives) and after."""
+        packed = raw = kl = None
+        if self.parts.critic is not None or self.needs_reference():
             packed = await self.agreed("packing the batch", pack_samples, samples,
                                        self.recipe.parallel.micro_batch_tokens)
+        if self.parts.critic is not None:
             await self.make_resident("critic")
-            raw = await self.model_call("computing critic values", self.parts.critic.compute_values, packed.batches)
-        return await self.agreed("computing advantages", self.advantages, samples, packed, raw)
+            with self.clock.phase("critic", passes=1):
+                raw = await self.model_call("computing critic values", self.parts.critic.compute_values,
+                                            packed.batches)
+        if self.needs_reference():
+            kl = await self.reference_logprobs(packed.batches)
+        return await self.agreed("computing advantages", self.advantages, samples, packed, raw, kl)
 
-    def advantages(self, samples: list[Sample], packed, raw_values):
-        """Advantages and returns into the packed batches (packing them first when no critic did)."""
+    def needs_reference(self) -> bool:
+        """KL to the reference this step: in the reward from the first step, in the loss on policy steps."""
+        if self.parts.reference is None:
+            return False
+        return self.recipe.algorithm.kl_in == "reward" or self.state.step >= self.warmup
+
+    async def reference_logprobs(self, batches: list[TrainBatch]) -> steps.ReferenceLogprobs:
+        """The reference's logprobs of the batch (routes replayed as for the policy), then the reference
+        goes back to host memory; with kl_in = reward also the policy's, for the penalty."""
+        reference, policy_logp = self.parts.reference, None
+        with self.clock.phase("logprobs", passes=1):
+            ref = await self.model_call("computing reference logprobs", reference.compute_logprobs, batches)
+            await self.model_call("parking the reference", reference.park)
+        if self.recipe.algorithm.kl_in == "reward":
+            await self.make_resident("policy")
+            with self.clock.phase("logprobs", passes=1):
+                policy_logp = await self.model_call("computing policy logprobs", self.parts.policy.compute_logprobs,
+                                                    batches)
+        return steps.ReferenceLogprobs([logp for logp, _ in ref],
+                                       None if policy_logp is None else [logp for logp, _ in policy_logp])
+
+    def advantages(self, samples: list[Sample], packed, raw_values, kl: steps.ReferenceLogprobs | None = None):
+        """Advantages and returns into the packed batches (packing them first when no model pass did);
+        the KL to the reference goes into the rewards or, as reference logprobs, into the batches."""
         packed = packed or pack_samples(samples, self.recipe.parallel.micro_batch_tokens)
         values = None if raw_values is None else gather_responses(packed, raw_values)
         inputs = advantage_batch(samples, values, self.state.baseline)
+        kl_metrics = {}
+        if kl is not None and kl.policy is not None:
+            inputs, kl_metrics = steps.kl_in_reward(self.recipe.algorithm, inputs, gather_responses(packed, kl.policy),
+                                                    gather_responses(packed, kl.reference))
         advantages, returns, metrics = steps.compute_step_advantages(self.recipe.algorithm, inputs)
         self.state.baseline = metrics.get("running_baseline", self.state.baseline)
-        return with_advantages(packed, advantages, returns, inputs.values), steps.prefixed("train", metrics)
+        batches = with_advantages(packed, advantages, returns, inputs.values)
+        if kl is not None and kl.policy is None:   # kl_in = loss: the loss reads them (algorithms/compose.py)
+            batches = [replace(batch, ref_logprobs=ref) for batch, ref in zip(batches, kl.reference)]
+        return batches, steps.prefixed("train", metrics | kl_metrics)
 
     async def update_critic(self, batches: list[TrainBatch]) -> dict:
         critic = self.parts.critic
@@ -226,22 +274,30 @@ class Trainer:
         loss_fn = steps.value_loss_fn(self.recipe.critic)
         stats = {}
         for _ in range(self.recipe.critic.updates_per_step):   # two-timescale: K critic updates
-            stats = await self.model_call("updating the critic", critic.train_step, _my_share(batches), loss_fn)
+            with self.clock.phase("critic", passes=3):
+                stats = await self.model_call("updating the critic", critic.train_step, _my_share(batches), loss_fn)
+        if getattr(critic, "lr", None) is not None:
+            self.state.lr_steps["critic"] = critic.lr.steps
         return steps.prefixed("critic", stats)
 
     async def update_policy(self, batches: list[TrainBatch]) -> dict:
         policy, algo = self.parts.policy, self.recipe.algorithm
         await self.make_resident("policy")
         if algo.loss != "dis" and algo.mini_batches > 1:  # PPO-style losses need pi_old before any update
-            logps = await self.model_call("computing old logprobs", policy.compute_logprobs, batches)
+            with self.clock.phase("logprobs", passes=1):
+                logps = await self.model_call("computing old logprobs", policy.compute_logprobs, batches)
             batches = [replace(batch, old_logprobs=logp) for batch, (logp, _) in zip(batches, logps)]
         loss_fn = steps.policy_loss_fn(algo, norm_len=float(self.recipe.rollout.max_new_tokens))
         stats = {}
-        for part in _split(batches, algo.mini_batches):
+        parts = _split(batches, algo.mini_batches)
+        for part in parts:
             # each mini-batch is its own optimizer step: its loss normalises by its own token count
-            stats = await self.model_call("updating the policy", policy.train_step, _my_share(with_counts(part)),
-                                          loss_fn)
-        return steps.prefixed("train", stats)
+            with self.clock.phase("policy", passes=3 if part is parts[-1] else 0):   # 3 passes over the batch
+                stats = await self.model_call("updating the policy", policy.train_step,
+                                              _my_share(with_counts(part)), loss_fn)
+        if getattr(policy, "lr", None) is not None:
+            self.state.lr_steps["policy"] = policy.lr.steps
+        return steps.prefixed("train", steps.renamed_kl(stats))
 
     async def make_resident(self, role: str) -> None:
         """critic.placement = swap: park the other model in host memory (it comes back when next used)."""
@@ -272,7 +328,8 @@ class Trainer:
         if self.parts.sink is None:
             return
         if self.parts.samples is not None:
-            metrics = {**self.parts.samples.metrics(), **metrics}
+            source = self.parts.samples.metrics()
+            metrics = {**source, "rollout/stale_drop_rate": self.speed.stale_drop_rate(source), **metrics}
         self.parts.sink.log(metrics, step)
 
 

@@ -1,5 +1,9 @@
-"""The named steps of one RL iteration: advantages, and the loss functions the model's schedule calls."""
+"""The named steps of one RL iteration: advantages, the KL to the reference, and the loss functions the
+model's schedule calls."""
 from __future__ import annotations
+
+from dataclasses import replace
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -19,12 +23,43 @@ def compute_step_advantages(cfg: AlgorithmConfig, batch: AdvantageBatch):
     return advantages, returns, {**metrics, **critic_prediction_metrics(batch.values, returns, batch.mask)}
 
 
+class ReferenceLogprobs(NamedTuple):
+    """Per micro-batch [rows, seq]: the reference's logprobs, and the policy's (kl_in = reward only)."""
+
+    reference: list
+    policy: Optional[list] = None
+
+
+def kl_in_reward(cfg: AlgorithmConfig, batch: AdvantageBatch, policy_logp: torch.Tensor,
+                 ref_logp: torch.Tensor) -> tuple[AdvantageBatch, dict]:
+    """algorithm.kl_in = reward: r_t <- r_t - kl_coef * k_t on action tokens (algorithms/kl.py
+    apply_kl_penalty; [B, R] response space), and ref_kl, the token mean of k_t."""
+    from sao_megatron.algorithms.kl import apply_kl_penalty, kl_estimate
+
+    rewards = apply_kl_penalty(batch.token_rewards, policy_logp, ref_logp, batch.mask, cfg.kl_coef, cfg.kl_estimator)
+    keep = batch.mask > 0
+    kl = kl_estimate(policy_logp, ref_logp, cfg.kl_estimator)[keep]
+    return replace(batch, token_rewards=rewards), {"ref_kl": kl.mean().item() if kl.numel() else 0.0}
+
+
+def renamed_kl(metrics: dict) -> dict:
+    """The loss's KL to the reference (algorithms/compose.py 'kl') under its run-metric name, ref_kl."""
+    if "kl" not in metrics:
+        return metrics
+    metrics = dict(metrics)
+    metrics["ref_kl"] = metrics.pop("kl")
+    return metrics
+
+
 def policy_loss_fn(cfg: AlgorithmConfig, norm_len: float):
     """loss_fn(batch, outputs) for RLModel.train_step: the configured policy loss plus the mismatch metric.
 
     `norm_len` is the constant L of seq-mean-token-sum-norm (Dr.GRPO): the response token budget.
     """
     from sao_megatron.algorithms import compute_policy_loss
+
+    if cfg.kl_in == "reward":   # the KL is in the advantages already (kl_in_reward), not a loss term
+        cfg = replace(cfg, kl_coef=0.0)
 
     def loss_fn(batch: TrainBatch, outputs: dict) -> LossOutputs:
         logp = outputs["logp"]
