@@ -75,6 +75,11 @@ class Recipe:
         if algo.mini_batches > rollout.batch_size:
             raise ConfigError("algorithm.mini_batches", f"{algo.mini_batches} > rollout.batch_size "
                               f"{rollout.batch_size}", "use at most batch_size mini-batches")
+        policy_steps = self.run.num_steps * algo.mini_batches   # the policy's optimizer steps (parallel/optimizer.py)
+        if algo.lr_warmup_steps and algo.lr_warmup_steps >= policy_steps:
+            raise ConfigError("algorithm.lr_warmup_steps", f"{algo.lr_warmup_steps} >= the run's {policy_steps} policy "
+                              "optimizer steps (run.num_steps x algorithm.mini_batches)",
+                              "use fewer warm-up steps than the run has updates")
 
     def _check_parallel(self) -> None:
         from ..dims import ParallelDims  # imported here: dims.py imports this package's ConfigError
@@ -101,6 +106,11 @@ class Recipe:
         if self.rollout.dataset and not Path(self.rollout.dataset).exists():
             raise ConfigError("rollout.dataset", f"{self.rollout.dataset} does not exist",
                               "point it at a jsonl/parquet file or an HF datasets folder, or clear it to use rollout.task")
+        ref = self.algorithm.ref_model_path
+        if self.algorithm.kl_coef > 0 and ref and not (Path(ref) / "config.json").is_file():
+            raise ConfigError("algorithm.ref_model_path", f"{ref} has no config.json",
+                              "point it at an HF model directory of the policy's architecture, or clear it to use "
+                              "the initial policy")
         _check_writable(Path(self.run.output_dir))
         check_installed(self)
 

@@ -213,8 +213,16 @@ class AlgorithmConfig:
     alpha: float = doc(1.5, "Length-adaptive lambda constant.", bounds="> 0")
     baseline_momentum: float = doc(0.9, "Running-mean baseline: b <- m*b + (1-m)*mean(r) (advantage running_mean).",
                                    bounds="[0, 1)")
-    kl_coef: float = doc(0.0, "KL penalty coefficient against the reference policy (SAO: 0).", bounds=">= 0")
-    kl_estimator: Literal["k1", "k2", "k3"] = doc("k3", "KL estimator.")
+    kl_coef: float = doc(0.0, "KL penalty coefficient against the reference policy (SAO: 0). > 0 builds a "
+                              "reference model (docs/algorithms.md, 'KL to a reference').", bounds=">= 0")
+    kl_estimator: Literal["k1", "kl", "k2", "mse", "k3", "low_var_kl"] = doc(
+        "k3", "KL estimator: k1 (= verl's 'kl'), k2 (= 'mse'), k3, or low_var_kl (k3 clamped to [-10, 10], "
+              "as verl and slime).")
+    kl_in: Literal["loss", "reward"] = doc(
+        "loss", "Where the KL goes: a loss term (GRPO, slime --use-kl-loss) or a per-token reward penalty "
+                "(InstructGPT, verl use_kl_in_reward).")
+    ref_model_path: str = doc("", "Reference model (an HF directory of the same architecture); '' = the initial "
+                                  "policy (model.path).")
     entropy_coef: float = doc(0.0, "Entropy bonus (SAO: 0).", bounds=">= 0")
     correction: Literal["none", "tis", "mis", "icepop"] = doc("none", "Train/inference mismatch correction.")
     correction_low: float = doc(0.5, "MIS lower bound / IcePop alpha.", bounds=">= 0")
@@ -223,7 +231,12 @@ class AlgorithmConfig:
     dynamic_sampling: bool = doc(False, "Group mode: drop groups whose rewards are all equal.")
     overlong_max: int = doc(0, "DAPO overlong shaping L_max (0 = off).", bounds=">= 0")
     overlong_cache: int = doc(0, "DAPO overlong shaping L_cache.", bounds=">= 0")
-    lr: float = doc(1e-6, "Policy learning rate (SAO: 1e-6 constant).", bounds="(0, 1]")
+    lr: float = doc(1e-6, "Policy learning rate, the peak of lr_schedule (SAO: 1e-6 constant).", bounds="(0, 1]")
+    lr_schedule: Literal["constant", "linear", "cosine"] = doc(
+        "constant", "Policy learning-rate decay after warm-up, to lr_min at the last optimizer step "
+                    "(Megatron's OptimizerParamScheduler).")
+    lr_warmup_steps: int = doc(0, "Policy optimizer steps of linear warm-up from 0 to lr.", bounds=">= 0")
+    lr_min: float = doc(0.0, "Policy learning rate at the end of a linear or cosine decay.", bounds=">= 0")
     weight_decay: float = doc(0.0, "AdamW weight decay.", bounds="[0, 1]")
     adam_beta1: float = doc(0.9, "Adam beta1.", bounds="[0, 1)")
     adam_beta2: float = doc(0.999, "Adam beta2.", bounds="[0, 1)")
@@ -239,6 +252,7 @@ class AlgorithmConfig:
         _require(self.eps_low < 1 or self.loss not in ("dis", "ppo"), f"{p}.eps_low",
                  f"{self.eps_low} >= 1 empties the lower band", "use a value in (0, 1)")
         _require(self.lr > 0, f"{p}.lr", f"{self.lr} <= 0", "use a positive learning rate such as 1e-6")
+        _check_lr_schedule(self, p)
         if ":" in self.loss:
             text_rules.import_path(f"{p}.loss", self.loss)
         check_bounds(self, p)
@@ -252,7 +266,11 @@ class AlgorithmConfig:
 @dataclass
 class CriticConfig:
     enabled: bool = doc(True, "Train a value model (SAO). Group baselines need none.")
-    lr: float = doc(5e-6, "Critic learning rate (SAO: 5e-6).", bounds="(0, 1]")
+    lr: float = doc(5e-6, "Critic learning rate, the peak of lr_schedule (SAO: 5e-6).", bounds="(0, 1]")
+    lr_schedule: Literal["constant", "linear", "cosine"] = doc(
+        "constant", "Critic learning-rate decay after warm-up, to lr_min at the last critic optimizer step.")
+    lr_warmup_steps: int = doc(0, "Critic optimizer steps of linear warm-up from 0 to lr.", bounds=">= 0")
+    lr_min: float = doc(0.0, "Critic learning rate at the end of a linear or cosine decay.", bounds=">= 0")
     updates_per_step: int = doc(2, "Critic updates per policy update (SAO two-timescale: K = 2).", bounds=">= 1")
     warmup_steps: int = doc(10, "Critic-only steps before the first policy update.", bounds=">= 0")
     freeze_attention: bool = doc(True, "Train only MoE/expert projections, norms and the value head.")
@@ -265,6 +283,12 @@ class CriticConfig:
 
     def check(self, p: str) -> None:
         check_bounds(self, p)
+        _check_lr_schedule(self, p)
+
+
+def _check_lr_schedule(section, p: str) -> None:
+    _require(section.lr_min <= section.lr, f"{p}.lr_min", f"{section.lr_min} > lr {section.lr}",
+             f"use a floor at or below {p}.lr (0 decays to zero)")
 
 
 @dataclass
