@@ -1,6 +1,6 @@
 """Preemption: SIGTERM / SIGUSR1 (slurm sends SIGUSR1 `signal_seconds` before the time limit with
-`--signal=B:USR1@N`, SIGTERM on cancel/preempt) set a flag; the trainer polls
-`should_checkpoint_and_exit()` at safe points (between steps, never inside a collective, and on rank
+`--signal=B:USR1@N`, SIGTERM on cancel/preempt) and SIGINT (Ctrl-C, treated as SIGTERM) set a flag;
+the trainer polls `should_checkpoint_and_exit()` at safe points (between steps, never inside a collective, and on rank
 0 while it waits for samples: sao_megatron/trainer/stopping.py), saves a checkpoint of the last
 completed step and exits 0. The handler does nothing else: signal handlers interrupt arbitrary
 code, so the checkpoint itself must not run inside one.
@@ -8,19 +8,32 @@ code, so the checkpoint itself must not run inside one.
 Multi-rank: a signal may reach only some ranks; `should_checkpoint_and_exit(sync=True)` all-reduces
 the flag (MAX, over `group` or the default group) so every rank decides the same at the same safe
 point. Every rank must then call it at the same point; the default (sync=False) reads only this rank.
+
+A second signal (Ctrl-C pressed again, or slurm's SIGTERM at the time limit after its USR1) exits the
+process at once with one line and status 128 + the signal: whoever sends it does not want to wait for
+the save. The checkpoint being written then is a `.tmp-step_*` directory, never `latest` (run_state.py).
 """
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
-DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 _requested = threading.Event()
 _received: list[str] = []
+_signalled: list[str] = []   # signals only (not request_checkpoint_and_exit): the second one exits
 
 
 def _handler(signum, frame) -> None:
-    _received.append(signal.Signals(signum).name)
+    name = signal.Signals(signum).name
+    if _signalled:
+        # os.write, not print: a handler may interrupt a write to sys.stderr (reentrant call)
+        os.write(2, f"second signal ({name} after {_signalled[0]}): exiting now without saving; the last "
+                    f"complete checkpoint stands\n".encode())
+        os._exit(128 + signum)
+    _signalled.append(name)
+    _received.append(name)
     _requested.set()
 
 
@@ -61,3 +74,4 @@ def request_checkpoint_and_exit(reason: str = "requested") -> None:
 def clear() -> None:
     _requested.clear()
     _received.clear()
+    _signalled.clear()

@@ -24,6 +24,7 @@ point leaves either the old or the new checkpoint complete. keep_last prunes the
 """
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -38,6 +39,10 @@ from .manifest import (CheckpointCorruptError, check_sizes, describe_files, read
 
 LATEST = "latest"
 PREFIX = "step_"
+
+
+class CheckpointWriteError(Exception):
+    """A checkpoint could not be written (disk full, read-only); its message is the run's one line."""
 
 
 def _dist_info() -> tuple[int, int, Callable[[], None]]:
@@ -62,9 +67,24 @@ class RunCheckpointer:
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, components: dict) -> Path:
-        """Save every component's state; returns the checkpoint directory."""
+        """Save every component's state; returns the checkpoint directory. A write the filesystem refuses
+        (full, read-only, no permission) raises CheckpointWriteError (one line) after removing this save's
+        temporary directory; the previous checkpoint and `latest` are untouched (nothing was renamed)."""
         final = self.root / f"{PREFIX}{step:08d}"
         tmp = self.root / f".tmp-{final.name}"
+        try:
+            return self._save(step, components, final, tmp)
+        except OSError as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            previous = self.latest()
+            kept = f"the previous checkpoint {previous.name} is intact" if previous is not None and previous.is_dir() \
+                else "no earlier checkpoint exists"
+            code = errno.errorcode.get(err.errno or 0, "")
+            raise CheckpointWriteError(f"cannot write checkpoint {final.name} in {self.root}: "
+                                       f"{err.strerror or err}{f' ({code})' if code else ''}; {kept}; fix: free space "
+                                       "on that filesystem or make it writable, then resume") from None
+
+    def _save(self, step: int, components: dict, final: Path, tmp: Path) -> Path:
         shared = sorted(n for n, c in components.items() if _is_distributed(c))
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -328,4 +348,4 @@ class ValueState:
         self._set(state)
 
 
-__all__ = ["RunCheckpointer", "RngState", "ValueState", "CheckpointCorruptError"]
+__all__ = ["RunCheckpointer", "RngState", "ValueState", "CheckpointCorruptError", "CheckpointWriteError"]

@@ -79,6 +79,21 @@ def resolve_resume(recipe: Recipe, rank: int, world_size: int, verified: Optiona
     return dataclasses.replace(recipe, checkpoint=dataclasses.replace(cfg, resume=resume))
 
 
+def resumed_step(recipe: Recipe) -> int:
+    """The step the run resumes at: its checkpoint's (resolve_resume set checkpoint.resume to it), else 0."""
+    resume = recipe.checkpoint.resume
+    if resume == "never":
+        return 0
+    if resume == "auto":   # not resolved (a loop built without entry.run_rank): the latest, as Checkpoints.resume
+        from checkpoints.run_state import RunCheckpointer
+
+        latest = RunCheckpointer(recipe.run_dir / "checkpoints", rank=0, world_size=1).latest()
+        if latest is None or not (latest / "manifest.json").is_file():
+            return 0
+        resume = str(latest)
+    return int(json.loads((Path(resume) / "manifest.json").read_text())["step"])
+
+
 RANK_ERROR_ENV = "SAO_RANK_ERROR_FILE"   # set by the local launcher (entry.launch_local_ranks)
 
 

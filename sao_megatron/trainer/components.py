@@ -121,7 +121,7 @@ async def _build_rollout(recipe: Recipe, tokenizer, stack: contextlib.AsyncExitS
     the restarts of the engines started here (None when there are none, or rollout.engine_restarts = 0)."""
     from rollout.driver import RolloutDriver
     from rollout.prompts import build_prompt_source
-    from rollout.rewards import resolve_reward_fn
+    from sao_megatron.evaluation.agents import build_rollout_plugins
 
     from .engines import start_engines
 
@@ -137,8 +137,10 @@ async def _build_rollout(recipe: Recipe, tokenizer, stack: contextlib.AsyncExitS
         from rollout.buffer import nonzero_reward_variance
 
         filters.append(nonzero_reward_variance)
-    driver = RolloutDriver(engines, source, resolve_reward_fn(rollout), rollout, tokenizer,
-                           seed=recipe.run.seed, filters=filters, context_length=recipe.model.max_seq_len)
+    # rollout.agent / rollout.generate_fn: the multi-turn agent (and its reward) run on every prompt
+    agent, reward_fn = build_rollout_plugins(rollout, tokenizer, recipe.model.max_seq_len)
+    driver = RolloutDriver(engines, source, reward_fn, rollout, tokenizer, seed=recipe.run.seed, filters=filters,
+                           agent=agent, context_length=recipe.model.max_seq_len)
     restarts = None
     if handles and rollout.engine_restarts > 0:
         from .engine_restarts import EngineRestarts

@@ -19,6 +19,7 @@ from sao_megatron.core.config import ConfigError, Recipe
 
 def train_from_recipe(recipe: Recipe) -> int:
     """Entry point of `sao train`. Launches ranks itself when the recipe asks for more than one."""
+    lock_if_first_rank(recipe)   # before anything is written: a second run into a live run dir touches nothing
     run_dir = prepare_run_dir(recipe)
     from sao_megatron.core.processes import reap_descendants_at_exit
 
@@ -32,6 +33,17 @@ def train_from_recipe(recipe: Recipe) -> int:
             and "SLURM_PROCID" not in os.environ:
         return launch_local_ranks(recipe, run_dir / "resolved_recipe.toml", world)
     return run_rank(recipe)
+
+
+def lock_if_first_rank(recipe: Recipe) -> None:
+    """The run dir's one-writer lock (run_lock.py), taken by the process that launches the ranks, or by
+    rank 0 where srun/mpirun started every rank with this entry point (the others share rank 0's run)."""
+    rank = next((os.environ[k] for k in ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID") if k in os.environ), "0")
+    if rank == "0":
+        from .run_lock import lock_run_dir
+
+        recipe.run_dir.mkdir(parents=True, exist_ok=True)
+        lock_run_dir(recipe.run_dir)
 
 
 def prepare_run_dir(recipe: Recipe) -> Path:
@@ -74,7 +86,9 @@ def launch_local_ranks(recipe: Recipe, resolved: Path, world: int) -> int:
 
     handoff = resolved.parent / ".rank_recipe_error.json"   # a recipe error the ranks found (checkpointing.py)
     handoff.unlink(missing_ok=True)
-    launcher_proc = subprocess.Popen(cmd, env={**os.environ, RANK_ERROR_ENV: str(handoff)})
+    # its own session: Ctrl-C at the terminal reaches this process only, which forwards it once to the
+    # ranks (torchrun would pass it on too, and a rank's second signal exits without saving)
+    launcher_proc = subprocess.Popen(cmd, env={**os.environ, RANK_ERROR_ENV: str(handoff)}, start_new_session=True)
     with forward_signals_to_children(launcher_proc.pid, DEFAULT_SIGNALS):   # the ranks save, then exit 0
         code = launcher_proc.wait()
     raise_rank_recipe_error(handoff)
@@ -99,6 +113,7 @@ def run_rank(recipe: Recipe) -> int:
         if env.world_size == 1:
             raise                      # `sao train` itself prints it: one line, exit 2
         return rank_recipe_error(err, env.rank)
+    from checkpoints.run_state import CheckpointWriteError
     from rollout.engine import EngineError
 
     from .agreement import RankFailed
@@ -106,7 +121,7 @@ def run_rank(recipe: Recipe) -> int:
 
     try:
         state, stopped, saved = asyncio.run(_train(recipe, env.rank, env.world_size, verified or None))
-    except (CollectionStopped, EngineError, RankFailed) as err:   # a rollout or engine fault (e.g. an engine
+    except (CollectionStopped, EngineError, RankFailed, CheckpointWriteError) as err:   # a rollout or engine fault (e.g. an engine
         # that died inside a weight-update window) or a rank's failure (agreement.py, its traceback in the
         # run dir): its one line, no traceback; the run dir holds the last checkpoint
         print(f"error: {err} (run dir {recipe.run_dir})", file=sys.stderr)

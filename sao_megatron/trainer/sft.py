@@ -53,9 +53,10 @@ def chain_sft(recipe: Recipe) -> Recipe:
 
 def sft_from_recipe(recipe: Recipe) -> int:
     """Entry point of `sao sft`: one rank in-process, or `parallel.world_size` ranks under torchrun."""
-    from .entry import prepare_run_dir
+    from .entry import lock_if_first_rank, prepare_run_dir
 
     check_sft_data(recipe)
+    lock_if_first_rank(recipe)
     prepare_run_dir(recipe)   # the base model (init_preset) and the run directory
     world = recipe.parallel.resolved_world_size()
     if world > 1 and "RANK" not in os.environ and "OMPI_COMM_WORLD_RANK" not in os.environ \
@@ -137,8 +138,13 @@ def sft_batches(pairs: list[tuple[list[int], list[int]]], token_budget: int) -> 
 def next_pair(source, tokenizer, recipe: Recipe) -> tuple[list[int], list[int]]:
     """The next prompt of the SFT stream and its reference response (tokens, EOS appended)."""
     prompt = source.next()
-    text = prompt.metadata.get("response")
-    if text is None:
+    text = None
+    if recipe.sft.dataset:   # the response field is read as the label (_sft_source)
+        text = prompt.label
+        if text is None:
+            raise ValueError(f"sft.dataset row {prompt.metadata.get('line')} has no {recipe.sft.response_key!r} "
+                             "field; fix the row or set sft.response_key")
+    else:
         from rollout.rewards.tasks import get_task
 
         text = get_task(_sft_task(recipe)).solution(prompt.label)
@@ -157,7 +163,8 @@ def _sft_source(recipe: Recipe):
     from rollout.prompts import build_prompt_source
 
     tokenizer = AutoTokenizer.from_pretrained(recipe.model.path)
-    cfg = dataclasses.replace(recipe.rollout, dataset=recipe.sft.dataset, task=_sft_task(recipe))
+    cfg = dataclasses.replace(recipe.rollout, dataset=recipe.sft.dataset, task=_sft_task(recipe),
+                              prompt_key=recipe.sft.prompt_key, label_key=recipe.sft.response_key)
     return build_prompt_source(cfg, tokenizer, seed=recipe.run.seed * 7919 + 17), tokenizer
 
 

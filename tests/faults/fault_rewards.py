@@ -15,3 +15,29 @@ async def hang_after_marking(sample) -> float:
 
 def always_raise(sample) -> float:
     raise RuntimeError("the reward service is down")
+
+
+def zero_and_disk_full_from_step_2(sample) -> float:
+    """A reward of 0; naming it in rollout.reward_fn makes every checkpoint save after step 1 fail with
+    ENOSPC part-way through its first file (the patch below runs when the trainer imports this module)."""
+    return 0.0
+
+
+def _disk_full_from_step_2() -> None:
+    import errno
+
+    from checkpoints import run_state
+
+    real = run_state._save_durably
+
+    def save(obj, path):
+        if path.parent.name >= ".tmp-step_00000002":
+            path.write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(obj, path)
+
+    run_state._save_durably = save
+
+
+if os.environ.get("SAO_FAULT_DISK_FULL"):   # only in the `sao train` subprocess that asks for it
+    _disk_full_from_step_2()

@@ -241,8 +241,8 @@ def test_engine_down_timeout_defaults_to_60s():
     assert recipe.rollout.engine_down_timeout_s == 60.0
 
 
-# ---- 3. SIGTERM / SIGUSR1 during collection: stop, save the last completed step, resume exactly ----
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+# ---- 3. SIGTERM / SIGUSR1 / SIGINT (Ctrl-C) during collection: stop, save the last completed step, resume exactly
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])
 def test_signal_during_collection_saves_last_step_and_resume_loses_nothing(tmp_path, sig):
     engine = ScriptedEngine("e0", token_time_s=0.0005)
     run = Run(tmp_path, [engine], steps=4)
@@ -480,16 +480,17 @@ def test_locally_started_engine_killed_mid_collection_is_restarted_and_nothing_i
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 
-def _sao_train(tmp, *overrides, env=None) -> subprocess.Popen:
+def _sao_train(tmp, *overrides, env=None, after=()) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "sao_megatron.cli.main", "train", str(REPO / "recipes" / "tiny_moe_cpu.toml"),
            f"run.output_dir='{tmp}'", "run.name='e2e'", f"model.path='{tmp / 'model'}'", "rollout.batch_size=4",
            "rollout.max_in_flight=4", "logging.wandb=false", "logging.plot=false", "logging.console=false",
-           "critic.warmup_steps=0", *overrides]
+           "critic.warmup_steps=0", *overrides, *after]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})})
 
 
-def test_sao_train_sigterm_during_collection_saves_and_exits_0(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sao_train_sigterm_during_collection_saves_and_exits_0(tmp_path, sig):
     marker = tmp_path / "collecting"
     proc = _sao_train(tmp_path, "rollout.reward_fn='tests.faults.fault_rewards:hang_after_marking'",
                       "rollout.reward_timeout_s=3600", env={"SAO_FAULT_MARKER": str(marker)})
@@ -498,13 +499,13 @@ def test_sao_train_sigterm_during_collection_saves_and_exits_0(tmp_path):
         while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert marker.exists(), proc.communicate(timeout=60)[1][-3000:]
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=GENEROUS_S)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, err[-3000:]
-    assert "done: stopped by SIGTERM during collection after step 0, checkpoint saved" in err
+    assert f"done: stopped by {sig.name} during collection after step 0, checkpoint saved" in err
     ckpt = tmp_path / "e2e" / "checkpoints"
     assert (ckpt / "latest").read_text() == "step_00000000"
     driver = torch.load(ckpt / "step_00000000" / "driver.rank00000.pt", weights_only=False)
@@ -565,6 +566,24 @@ def test_sao_train_reward_failing_every_sample_exits_1_with_one_line(tmp_path):
     assert (tmp_path / "e2e" / "checkpoints" / "latest").read_text() == "step_00000000"
 
 
+def test_sao_train_disk_full_at_a_checkpoint_exits_1_with_one_line_and_keeps_the_previous(tmp_path):
+    proc = _sao_train(tmp_path, "rollout.reward_fn='tests.faults.fault_rewards:zero_and_disk_full_from_step_2'",
+                      "run.num_steps=3", "checkpoint.interval=1", env={"SAO_FAULT_DISK_FULL": "1"},
+                      after=["critic.warmup_steps=10"])   # critic steps only: no weight sync needed
+    try:
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: cannot write checkpoint step_00000002 in ") and "(ENOSPC)" in last, last
+    assert "the previous checkpoint step_00000001 is intact" in last and "Traceback" not in err, err[-3000:]
+    ckpt = tmp_path / "e2e" / "checkpoints"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000001"]   # no .tmp-step_* left
+    assert (ckpt / "latest").read_text() == "step_00000001"
+
+
 # ---- 8. local multi-rank: a preemption signal reaches the ranks, not the launcher ------------------
 FAKE_RANK = textwrap.dedent("""
     import signal, sys, time
@@ -574,6 +593,7 @@ FAKE_RANK = textwrap.dedent("""
         sys.exit(0)
     signal.signal(signal.SIGUSR1, saved)
     signal.signal(signal.SIGTERM, saved)
+    signal.signal(signal.SIGINT, saved)
     Path(sys.argv[1] + ".ready").touch()
     time.sleep(600)
     sys.exit(3)
@@ -593,7 +613,7 @@ TOP = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])
 def test_top_process_forwards_preemption_signals_to_the_ranks(tmp_path, sig):
     for name, text in [("rank.py", FAKE_RANK), ("launcher.py", FAKE_LAUNCHER), ("top.py", TOP)]:
         (tmp_path / name).write_text(text)
