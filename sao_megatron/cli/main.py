@@ -11,7 +11,7 @@ import sys
 
 from sao_megatron.core.config import ConfigError
 
-SUBCOMMANDS = ["train", "sft", "serve", "launch", "convert", "plan", "doctor", "bench", "eval", "init_model"]
+SUBCOMMANDS = ["train", "sft", "serve", "launch", "convert", "export", "plan", "doctor", "bench", "eval", "init_model"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,109 @@
+"""`sao export`: a run checkpoint (Megatron distributed checkpoint of the real policy, one gloo rank) becomes
+an HF directory transformers loads. After 0 steps the export is the model the run started from, tensor for
+tensor, and AutoModelForCausalLM gives its logits; after a step it is the trainer's model (its export_hf
+tensors) and HF's log-probabilities match the trainer's compute_logprobs."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from parallel.distributed import run_distributed_test
+
+
+def _recipe(model_dir: str, run_dir: Path):
+    """A run's recipe, resolved and dumped into its run directory as `sao train` does."""
+    from sao_megatron.core.config import load_recipe
+
+    source = run_dir.parent / "recipe.toml"
+    source.parent.mkdir(parents=True, exist_ok=True)
+    source.write_text(f'[run]\nname = "{run_dir.name}"\noutput_dir = "{run_dir.parent}"\n[model]\npath = "{model_dir}"\n'
+                      '[algorithm]\nlr = 1e-2\n')
+    recipe = load_recipe(source)
+    recipe.dump(run_dir)
+    return recipe
+
+
+def _run(model_dir: str, run_dir: str) -> dict:
+    """Save run checkpoints at steps 0 and 1 of the tiny policy; export both through `sao export`."""
+    from safetensors.torch import load_file
+
+    from checkpoints.run_state import RunCheckpointer
+    from parallel import layout_check as lc
+    from parallel.distributed import teardown_model_parallel
+    from parallel.rl_model import RLModel
+    from sao_megatron.cli.main import main
+
+    recipe = _recipe(model_dir, Path(run_dir))
+    model = RLModel.build(recipe, "policy")
+    model.load_hf_state_dict(load_file(f"{model_dir}/model.safetensors"))
+    checkpoints = RunCheckpointer(Path(run_dir) / "checkpoints")
+    checkpoints.save(0, {"policy": model})
+    batches = lc.fixed_batches(105, num=2, seq=12)
+    model.train_step(batches, lc.policy_gradient_loss)
+    checkpoints.save(1, {"policy": model})
+    trained = {k: v.clone() for k, v in model.export_hf()}
+    logp = [lp for lp, _ in model.compute_logprobs(batches)]
+    teardown_model_parallel()
+    codes = [main(["export", f"{run_dir}/checkpoints/step_00000000", f"{run_dir}/export0"]),
+             main(["export", f"{run_dir}/checkpoints/latest", f"{run_dir}/export1"])]
+    return {"codes": codes, "trained": trained, "logp": logp, "tokens": [b.tokens for b in batches]}
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_model_dir, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run") / "runs" / "t"
+    out = run_distributed_test(_run, world_size=1, timeout_s=600, args=(str(tiny_model_dir), str(run_dir)))[0]
+    assert out["codes"] == [0, 0]
+    return run_dir, out
+
+
+def _tensors(path: Path) -> dict:
+    from checkpoints.hf_io import HFCheckpoint
+
+    return {k: v for k, v in HFCheckpoint(path).items()}
+
+
+def test_export_after_zero_steps_is_the_starting_model(exported, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    run_dir, _ = exported
+    original = _tensors(tiny_model_dir)
+    export = _tensors(run_dir / "export0")
+    assert sorted(export) == sorted(original)
+    assert all(torch.equal(export[k], original[k]) for k in original)
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (run_dir / "export0" / name).is_file(), name
+    tokens = torch.tensor([[5, 17, 23, 42, 8, 9, 61]])
+    with torch.no_grad():
+        a = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()(tokens).logits
+        b = AutoModelForCausalLM.from_pretrained(run_dir / "export0").eval()(tokens).logits
+    assert torch.equal(a, b)
+
+
+def test_export_after_a_step_is_the_trainers_model(exported, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    run_dir, out = exported
+    export = _tensors(run_dir / "export1")
+    assert sorted(export) == sorted(out["trained"])
+    assert all(torch.equal(export[k], out["trained"][k]) for k in export)
+    assert not all(torch.equal(export[k], v) for k, v in _tensors(tiny_model_dir).items())   # the step moved it
+    marker = json.loads((run_dir / "export1" / "sao_export.json").read_text())
+    assert marker["step"] == 1 and marker["role"] == "policy"
+    hf = AutoModelForCausalLM.from_pretrained(run_dir / "export1").eval()
+    for tokens, trainer_logp in zip(out["tokens"], out["logp"]):
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(tokens).logits.float(), dim=-1)
+        ours = logp[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)   # token t from position t-1
+        assert torch.allclose(ours, trainer_logp[:, 1:], atol=1e-4), (ours - trainer_logp[:, 1:]).abs().max()
+
+
+def test_export_refuses_what_is_not_a_run_checkpoint(tmp_path, tiny_model_dir, capsys):
+    from sao_megatron.cli.main import main
+
+    assert main(["export", str(tiny_model_dir), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "not a run checkpoint" in err
