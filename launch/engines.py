@@ -100,6 +100,15 @@ def write_options_lines(python: str) -> list[str]:
             f'{shlex.quote(python)} -c {shlex.quote(code)} > "${OPTIONS_VAR}"']
 
 
+def fp8_gpu_guard_lines(python: str) -> list[str]:
+    """Shell lines stopping the node (exit 2, one line) before FP8 engines start on a GPU where SGLang re-quantises
+    their scales (rollout/sglang_launcher.py check_fp8_engine_gpu says why)."""
+    import shlex
+
+    code = "import sys; from rollout.sglang_launcher import fp8_gpu_guard; sys.exit(fp8_gpu_guard())"
+    return [f"{shlex.quote(python)} -c {shlex.quote(code)} || exit 2   # FP8 engines refuse Blackwell GPUs"]
+
+
 def shell_join(argv: list[str]) -> str:
     """shlex-quote argv; the options-file mark becomes "$SAO_ENGINE_OPTIONS" and $HEAD_HOST stays a variable."""
     import shlex

@@ -21,7 +21,8 @@ from checkpoints.arch import load_recipe
 from sao_megatron.core.binding import INTERFACE_VAR
 from sao_megatron.core.config import ConfigError
 
-from .engines import API_KEY_VAR, engine_command, engine_heads, engine_slots, shell_join, write_options_lines
+from .engines import (API_KEY_VAR, engine_command, engine_heads, engine_slots, fp8_gpu_guard_lines, shell_join,
+                      write_options_lines)
 
 DEFAULT_TRAIN_COMMAND = "{python} -m sao_megatron.cli.main train {recipe} {overrides}"
 ENGINE_START_TIMEOUT_S = {True: 3600, False: 600}  # GPU engines load hundreds of GB; CPU ones a tiny model
@@ -243,6 +244,8 @@ def rollout_node_script(recipe, node: int) -> str:
              "set -uo pipefail", 'HEAD_HOST="${1:-$(hostname)}"', 'ENGINE_HOST="${2:-127.0.0.1}"']
     if recipe.rollout.engine != "reference":   # `sao serve` reads $SAO_API_KEY itself
         lines += write_options_lines(recipe.launch.python)
+    if recipe.rollout.engine == "sglang" and recipe.rollout.engine_fp8:   # rollout.engine_gpu may not be stated
+        lines += fp8_gpu_guard_lines(recipe.launch.python)
     lines += [f"{shell_join(engine_command(recipe, slot))} &" for slot in slots]
     lines += ["wait -n; rc=$?",
               'echo "rollout node: an engine exited with code $rc; stopping the others" >&2',

@@ -149,6 +149,35 @@ def args_from_recipe(recipe, index: int, port: int, api_key: str) -> SGLangArgs:
                        api_key=api_key)
 
 
+def check_fp8_engine_gpu(capability: tuple[int, int], name: str) -> None:
+    """RuntimeError naming the GPU where SGLang 0.5.23 turns block-FP8 scales into UE8M0 at first load: DeepGEMM
+    with UE8M0 scales on SM100/SM103 and SM120/SM121 (layers/deep_gemm_wrapper/configurer.py:58-60) requantises
+    each 128x128 block to a power-of-two scale and repacks the scales into DeepGEMM's int32 layout
+    (layers/quantization/fp8_utils.py:2147-2181, 2258-2281, 2394-2417, called from fp8.py:837 and :2281). Our
+    updates carry amax/448 fp32 scales in the checkpoint's layout, which that parameter no longer has, and the
+    `format_ue8m0` mark skips the requantisation after a reload. rollout.engine_gpu refuses this at check time."""
+    if capability[0] == 10 or capability in ((12, 0), (12, 1)):
+        raise RuntimeError(f"rollout.engine_fp8: this engine's GPU is {name} (SM{capability[0]}{capability[1]}), where "
+                           "SGLang 0.5.23 re-quantises FP8 block scales to UE8M0 at load and weight updates would "
+                           "land in the wrong form; fix: set rollout.engine_fp8 = false or run the engines on Hopper")
+
+
+def fp8_gpu_guard(index: int = 0) -> int:
+    """`sao launch`'s rollout-node check before FP8 engines start: 0, or 2 after one line on stderr."""
+    try:
+        check_fp8_engine_gpu(*_gpu_of(index))
+    except RuntimeError as err:
+        print(f"rollout node: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _gpu_of(index: int) -> tuple[tuple[int, int], str]:
+    import torch   # only here: the launcher starts SGLang on a CUDA machine, which has torch
+
+    return tuple(torch.cuda.get_device_capability(index)), torch.cuda.get_device_name(index)
+
+
 def write_key_config(path: str | Path, api_key: str) -> Path:
     """The YAML options file (JSON is YAML) holding only ``api-key``, readable by this user alone."""
     path = Path(path)
@@ -201,6 +230,8 @@ def launch_sglang(recipe, index: int, port: int, api_key: str, log_path: str | P
         raise RuntimeError("rollout.engine = 'sglang' needs SGLang on a CUDA machine: "
                            "pip install 'sglang==0.5.23' (or use rollout.engine = 'reference' on CPU)")
     args = args_from_recipe(recipe, index, port or free_port(recipe.rollout.host), api_key)
+    if args.fp8:
+        check_fp8_engine_gpu(*_gpu_of(args.base_gpu_id))
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     if api_key:

@@ -82,3 +82,34 @@ def test_engine_args_need_sglang(tmp_path):
     path.write_text('[model]\npath = "m"\n[rollout]\nengine = "reference"\nengine_args = ["--disable-radix-cache"]\n')
     with pytest.raises(ConfigError, match="rollout.engine_args: SGLang flags with rollout.engine = 'reference'"):
         load_recipe(path, [], check_files=False)
+
+
+@pytest.mark.parametrize("gpu", ["b200", "gb300"])
+def test_fp8_engines_on_blackwell_are_refused_naming_the_gpu(tmp_path, gpu):
+    with pytest.raises(ConfigError, match=f"rollout.engine_fp8: FP8 engines on {gpu}: .* UE8M0"):
+        _recipe(tmp_path, f'engine_fp8 = true\nengine_gpu = "{gpu}"')
+    _recipe(tmp_path, 'engine_fp8 = true\nengine_gpu = "h200"')      # Hopper keeps fp32 block scales
+    _recipe(tmp_path, f'engine_fp8 = false\nengine_gpu = "{gpu}"')   # bf16 engines take any GPU
+
+
+@pytest.mark.parametrize("capability, refused", [((10, 0), True), ((10, 3), True), ((12, 0), True), ((12, 1), True),
+                                                 ((9, 0), False), ((8, 0), False)])
+def test_engine_start_checks_the_gpu_it_runs_on(monkeypatch, capsys, capability, refused):
+    """DEEPGEMM_SCALE_UE8M0 = SM100 family or SM120/121 (SGLang layers/deep_gemm_wrapper/configurer.py:58-60)."""
+    from rollout import sglang_launcher
+
+    monkeypatch.setattr(sglang_launcher, "_gpu_of", lambda index: (capability, "NVIDIA X"))
+    assert sglang_launcher.fp8_gpu_guard() == (2 if refused else 0)
+    err = capsys.readouterr().err
+    assert ("NVIDIA X (SM" in err and err.count("\n") == 1) if refused else not err
+
+
+def test_launch_script_guards_fp8_engines(tmp_path):
+    from launch.render import load_launch_recipe, rollout_node_script
+
+    recipe = load_launch_recipe("recipes/glm5_750b_a40b.toml")
+    script = rollout_node_script(recipe, 0)
+    guard = script.index("fp8_gpu_guard())' || exit 2")
+    assert guard < script.index("sglang.launch_server")
+    recipe.rollout.engine_fp8 = False
+    assert "fp8_gpu_guard" not in rollout_node_script(recipe, 0)

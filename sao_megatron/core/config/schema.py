@@ -16,6 +16,7 @@ from .errors import ConfigError
 from ..imports import resolve_import_path
 
 ENGINE_ARGS_CHECK = "rollout.sglang_flags:check_engine_args"
+BLACKWELL = ("b200", "b300", "gb200", "gb300")   # SM100/SM103: DeepGEMM's UE8M0 scales in SGLang
 
 
 def doc(default, text: str, bounds: str = ""):
@@ -132,6 +133,9 @@ class RolloutConfig:
                                   "sends them FP8 blocks with their scales (docs/weight-transports.md, FP8 engines).")
     engine_model_path: str = doc("", "Checkpoint the engines load ('' = model.path). SGLang with engine_fp8: a "
                                      "block-FP8 checkpoint of the model (quantization_config fp8, [128, 128] blocks).")
+    engine_gpu: Literal["", "h100", "h200", "h20", "b200", "b300", "gb200", "gb300"] = doc(
+        "", "GPU model the SGLang engines run on ('' = not stated). FP8 engines are refused on Blackwell, where "
+            "SGLang 0.5.23 re-quantises block scales to powers of two at load (docs/engines.md).")
     engine_args: list = doc([], "SGLang: extra `sglang.launch_server` flags appended to every engine's argv (and to "
                                 "`sao launch`'s script), each flag and value its own item, e.g. "
                                 "[\"--chunked-prefill-size\", \"4096\"]; checked against SGLang 0.5.23's flags. "
@@ -184,6 +188,10 @@ class RolloutConfig:
                  "set rollout.task (e.g. countdown) or rollout.dataset to a jsonl file")
         _require(self.top_k != 0, f"{p}.top_k", "0 keeps no token", "use -1 (off) or a positive k")
         text_rules.check_rollout_text(self, p)
+        _require(not (self.engine == "sglang" and self.engine_fp8 and self.engine_gpu in BLACKWELL), f"{p}.engine_fp8",
+                 f"FP8 engines on {self.engine_gpu}: SGLang 0.5.23 re-quantises their block scales to UE8M0 (powers "
+                 "of two, DeepGEMM's layout) at first load on Blackwell, and weight updates carry amax/448 scales",
+                 "set rollout.engine_fp8 = false (bf16 engines) or run the engines on Hopper (h100, h200)")
         if self.engine_args:   # SGLang's flag table lives with the launcher (rollout/), reached by path
             _require(self.engine == "sglang", f"{p}.engine_args", "SGLang flags with rollout.engine = "
                      f"{self.engine!r}", "clear rollout.engine_args or set rollout.engine = 'sglang'")
