@@ -61,6 +61,7 @@ def plan_input_from_recipe(recipe, gpus: int = 0, gpu: str = "h100", **options) 
                      bucket_bytes=recipe.weight_sync.bucket_mb * 2 ** 20,
                      max_sender_bytes=recipe.weight_sync.max_sender_mb * 2 ** 20,
                      sync_method=recipe.weight_sync.method, shard_senders=recipe.weight_sync.shard_senders,
+                     reference=recipe.algorithm.kl_coef > 0,
                      **{"critic_placement": recipe.critic.placement, **options})
 
 

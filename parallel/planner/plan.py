@@ -37,6 +37,7 @@ class PlanInput:
     max_sender_bytes: float = 32768 * 2 ** 20  # weight_sync.max_sender_mb: the bound on the sender's memory
     sync_method: str = "broadcast"    # weight_sync.method: what the sender holds (sender_memory)
     shard_senders: int = 2            # weight_sync.shard_senders: shard_writes lanes
+    reference: bool = False           # algorithm.kl_coef > 0: a frozen reference copy, parked in host memory when idle
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Plan:
     problem: str = ""
     policy: ModelMemory | None = None
     critic: ModelMemory | None = None
+    reference: float = 0.0     # the KL reference's weights (bytes per GPU), on the GPU only for its logprob pass
     engine: EngineMemory | None = None
     trainer_total: float = 0.0
     peak: float = 0.0
@@ -97,6 +99,10 @@ def make_plan(inp: PlanInput) -> Plan:
     if inp.critic:
         plan.critic = model_memory(inp.cfg, inp.layout, world, inp.train, critic=True,
                                    freeze_attention=inp.freeze_attention)
+    if inp.reference:   # forward only: weights, no gradients or optimizer (parallel/rl_model.py "reference")
+        plan.reference = plan.policy.weights
+        plan.notes.append(f"KL reference: {plan.reference / GIB:.1f} GiB of weights per GPU, on the GPU only for "
+                          "its logprob pass, parked in host memory otherwise")
     plan.engine = engine_memory(inp.cfg, inp.engine, plan.capacity)
     plan.trainer_total = _trainer_peak(plan) + RUNTIME_RESERVE_GIB * GIB
     plan.host_per_gpu = _host_bytes(plan)
@@ -129,6 +135,10 @@ def _plan_sender(plan: Plan) -> None:
 
 
 def _trainer_peak(plan: Plan) -> float:
+    return max(_training_peak(plan), _reference_pass_peak(plan))
+
+
+def _training_peak(plan: Plan) -> float:
     policy, critic = plan.policy, plan.critic
     if critic is None:
         return policy.total
@@ -137,13 +147,22 @@ def _trainer_peak(plan: Plan) -> float:
     return policy.total + critic.total
 
 
+def _reference_pass_peak(plan: Plan) -> float:
+    """The reference's logprob pass: its weights and a forward pass's activations (at most the policy's
+    training activations) beside the models that stay resident, without their activations."""
+    if not plan.reference:
+        return 0.0
+    resident = [plan.policy] + ([plan.critic] if plan.critic and plan.inp.critic_placement == "shared" else [])
+    return sum(m.total - m.activations for m in resident) + plan.reference + plan.policy.activations
+
+
 def _host_bytes(plan: Plan) -> float:
     """Offloaded optimizer state, plus under swap the parked model's weights, grads and GPU optimizer state."""
     models = [m for m in (plan.policy, plan.critic) if m is not None]
     host = sum(m.host for m in models)
     if plan.inp.critic_placement == "swap" and len(models) == 2:
         host += min(m.total - m.activations for m in models)
-    return host
+    return host + plan.reference   # the parked KL reference
 
 
 def search_layouts(inp: PlanInput, limit: int = 5) -> list[Plan]:

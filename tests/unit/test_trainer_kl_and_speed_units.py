@@ -96,3 +96,22 @@ def test_train_tflops_uses_the_planners_flop_model(tiny_model_dir):
     assert out["perf/train_tflops"] == pytest.approx(flops / 2.0 / 2 / 1e12)
     assert out["perf/tokens_per_s"] == pytest.approx(15 / 4.0)
     assert out["perf/time/policy_s"] == 2.0 and out["perf/time/critic_s"] == 0.0
+
+
+def test_sao_plan_counts_the_kl_reference_parked_in_host_memory(tiny_model_dir, tmp_path):
+    from dataclasses import replace
+
+    from parallel.planner import GIB, RUNTIME_RESERVE_GIB, make_plan, plan_input_from_recipe
+
+    recipe = load_recipe(None, [f"model.path='{tiny_model_dir}'", f"run.output_dir='{tmp_path}'",
+                                "algorithm.kl_coef=0.01"])
+    inp = plan_input_from_recipe(recipe, gpus=2, gpu="h100")
+    assert inp.reference
+    without, with_ref = make_plan(replace(inp, reference=False)), make_plan(inp)
+    weights = with_ref.policy.weights
+    assert with_ref.reference == weights > 0 and without.reference == 0
+    assert with_ref.host_per_gpu == pytest.approx(without.host_per_gpu + weights)
+    # its pass: the resident models without activations + its weights + a forward pass's activations
+    resident = sum(m.total - m.activations for m in (with_ref.policy, with_ref.critic))
+    ref_pass = resident + weights + with_ref.policy.activations
+    assert with_ref.trainer_total == pytest.approx(max(without.trainer_total, ref_pass + RUNTIME_RESERVE_GIB * GIB))
