@@ -26,6 +26,9 @@ Multi-latent attention (GLM-5-class, DeepSeek-V3) replaces the QKV rows with
 | self_attention.linear_q_down_proj / linear_q_up_proj | self_attn.q_a_proj / q_b_proj        | col |
 | self_attention.q_layernorm / kv_layernorm  | self_attn.q_a_layernorm / kv_a_layernorm     | rep   |
 | self_attention.linear_kv_down_proj / linear_kv_up_proj | self_attn.kv_a_proj_with_mqa / kv_b_proj | col |
+and DSA layers with their own indexer (GLM-5) add, replicated over TP (parallel/mla_attention.py)
+| self_attention.core_attention.indexer.{wq_b,wk,weights_proj}.weight | self_attn.indexer.{same}.weight | rep |
+| self_attention.core_attention.indexer.k_norm.{weight,bias} | self_attn.indexer.k_norm.{weight,bias} | rep |
 """
 from __future__ import annotations
 
@@ -56,7 +59,7 @@ def layer_rules(spec: ArchSpec, L: int) -> list[Rule]:
         return Rule(m + mc, tuple(h + n for n in hf), pack, split, L, expert)
 
     rules = [rule("input_layernorm.weight", ["input_layernorm.weight"])]
-    rules += _mla_attention(rule, spec) if spec.mla else _gqa_attention(rule, spec)
+    rules += _mla_attention(rule, spec, L) if spec.mla else _gqa_attention(rule, spec)
     rules.append(rule("pre_mlp_layernorm.weight", ["post_attention_layernorm.weight"]))
     if L not in spec.moe_layers:
         return rules + _glu_mlp(rule, "mlp.", "mlp.")
@@ -81,7 +84,10 @@ def _gqa_attention(rule, spec: ArchSpec) -> list[Rule]:
     return rules + [rule("self_attention.linear_proj.weight", ["self_attn.o_proj.weight"], split="row")]
 
 
-def _mla_attention(rule, spec: ArchSpec) -> list[Rule]:
+INDEXER_TENSORS = ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")
+
+
+def _mla_attention(rule, spec: ArchSpec, L: int) -> list[Rule]:
     """Multi-latent attention, Megatron local spec: the down projections are ColumnParallelLinear
     (gather_output=False, gathered inside MLA), so under TP they split on dim 0 like the up projections;
     the latent norms are replicated. Head layouts agree ([nope, rope] per head in q, [nope, v] per head
@@ -93,10 +99,13 @@ def _mla_attention(rule, spec: ArchSpec) -> list[Rule]:
                  rule(a + "linear_q_up_proj.weight", ["self_attn.q_b_proj.weight"], split="col")]
     else:
         rules = [rule(a + "linear_q_proj.weight", ["self_attn.q_proj.weight"], split="col")]
-    return rules + [rule(a + "linear_kv_down_proj.weight", ["self_attn.kv_a_proj_with_mqa.weight"], split="col"),
-                    rule(a + "kv_layernorm.weight", ["self_attn.kv_a_layernorm.weight"]),
-                    rule(a + "linear_kv_up_proj.weight", ["self_attn.kv_b_proj.weight"], split="col"),
-                    rule(a + "linear_proj.weight", ["self_attn.o_proj.weight"], split="row")]
+    rules += [rule(a + "linear_kv_down_proj.weight", ["self_attn.kv_a_proj_with_mqa.weight"], split="col"),
+              rule(a + "kv_layernorm.weight", ["self_attn.kv_a_layernorm.weight"]),
+              rule(a + "linear_kv_up_proj.weight", ["self_attn.kv_b_proj.weight"], split="col"),
+              rule(a + "linear_proj.weight", ["self_attn.o_proj.weight"], split="row")]
+    if L in spec.indexer_layers:
+        rules += [rule(a + "core_attention.indexer." + t, ["self_attn.indexer." + t]) for t in INDEXER_TENSORS]
+    return rules
 
 
 def _glu_mlp(rule, mc: str, hf: str, expert=None) -> list[Rule]:

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 import torch
 
 from . import specs
+from .mla_attention import link_shared_layers
 
 
 class ValueHead(torch.nn.Module):
@@ -67,6 +68,9 @@ def build_chunks(hf: Mapping[str, Any], config, critic: bool, impl: str = "auto"
                          vp_stage=stage, **specs.rotary_kwargs(hf))
         if critic and post:
             model.output_layer = ValueHead(config.hidden_size, config.sequence_parallel)
+        link_shared_layers(model)
+        if not getattr(config, "dsa_indexer_loss_coeff", None):
+            freeze_indexers(model)
         if torch.cuda.is_available():   # never under the CPU shim (parallel/cpu_shim.py: CUDA absent)
             # Megatron's own get_model does this: its linears allocate on current_device(), but torch
             # norms (no TE, no Apex) and the value head are built on the CPU
@@ -80,10 +84,24 @@ def define_missing_te_names() -> None:
     try and only defines it there, yet the router GEMM tests `te_general_gemm is not None`, a NameError
     on any machine without TE (the GPU kit hit it on an H200 with transformer_impl = "local"). Define
     the name as None, which is what the check means; a machine with TE keeps TE's function."""
+    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    # Without TE, megatron.core.extensions.transformer_engine still imports and leaves MagicMock
+    # placeholders, so multi_latent_attention sets HAVE_TE = True and MLASelfAttention's
+    # `isinstance(self.linear_proj, TELinear)` raises TypeError on a mock; say what is true.
+    if not specs._te_importable():
+        multi_latent_attention.HAVE_TE = False
+
+
+def freeze_indexers(chunk: torch.nn.Module) -> None:
+    """DSA indexers train only through their own KL loss (model.indexer_loss_coeff > 0); otherwise their
+    weights stay exactly as loaded (no gradient, and no weight decay either)."""
+    for name, param in chunk.named_parameters():
+        if ".core_attention.indexer." in name:
+            param.requires_grad_(False)
 
 
 _CRITIC_TRAINABLE = ("mlp.experts.", "mlp.shared_experts.", "mlp.linear_fc1", "mlp.linear_fc2",

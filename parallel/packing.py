@@ -17,7 +17,8 @@ import torch
 from sao_megatron.core.records import TrainBatch, action_counts
 
 _ROW_FIELDS = ("tokens", "lengths", "loss_mask", "rollout_logprobs", "advantages", "returns", "weight_versions",
-               "old_logprobs", "ref_logprobs", "old_values", "routed_experts")
+               "old_logprobs", "ref_logprobs", "old_values", "routed_experts", "indexer_topk")
+_MINUS_ONE_PAD = ("routed_experts", "indexer_topk")   # -1 = no route / empty indexer slot
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -44,14 +45,14 @@ def seq_multiple(tp: int = 1, sequence_parallel: bool = False, cp: int = 1, fp8:
 
 
 def slice_rows(batch: TrainBatch, rows: slice, seq_len: int) -> TrainBatch:
-    """Rows `rows` of `batch`, trimmed or padded to `seq_len` positions (pad: token 0, masks 0, routes -1)."""
+    """Rows `rows` of `batch`, trimmed or padded to `seq_len` positions (pad: token 0, masks 0, routes and indexer slots -1)."""
     out = {}
     for f in fields(batch):
         value = getattr(batch, f.name)
         if f.name in _ROW_FIELDS and isinstance(value, torch.Tensor):
             part = value[rows]
             if part.dim() >= 2:
-                part = _fit(part, seq_len, -1 if f.name == "routed_experts" else 0)
+                part = _fit(part, seq_len, -1 if f.name in _MINUS_ONE_PAD else 0)
             out[f.name] = part
         elif f.name == "sample_uids":
             out[f.name] = list(value[rows])

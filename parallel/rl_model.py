@@ -30,6 +30,7 @@ from .logprobs import shift_to_tokens, token_logprobs_from_logits
 from .offload import ModelParking
 from .optimizer import LrSchedule, OptimSettings, build_optimizer, current_lr, guarded_step, loss_is_finite, wrap_ddp
 from .packing import seq_multiple
+from .indexer_replay import IndexerReplayer
 from .routing_replay import RouteReplayer
 from .schedule import configure_per_token_loss, run_schedule
 from .weights import export_hf_tensors, load_hf_tensors
@@ -48,6 +49,8 @@ class RLModel:
         self.temperature = recipe.rollout.temperature   # pi is the engine's sampling distribution
         self.replayer = RouteReplayer([c.module for c in chunks], config.num_layers,
                                       self.shape.top_k, dims.sequence_parallel)
+        self.indexers = IndexerReplayer([c.module for c in chunks], config.num_layers,
+                                        int(hf_config.get("index_topk") or 0))
         self.parking = ModelParking(self)
         self.lr = None if optimizer is None else LrSchedule(optimizer, _optim_settings(recipe, role, config))
 
@@ -111,6 +114,7 @@ class RLModel:
     # -- forward -----------------------------------------------------------------------------------
     def _before_forward(self, chunk_index: int, batch: TrainBatch) -> None:
         self.replayer.set_routes(chunk_index, batch.routed_experts)
+        self.indexers.set_topk(chunk_index, batch.indexer_topk)
 
     def _fill_pipeline(self, batches: list[TrainBatch]) -> list[TrainBatch]:
         """With VPP Megatron needs a multiple of pp micro-batches: pad with copies whose loss_mask
@@ -120,7 +124,8 @@ class RLModel:
         extra = self.dims.pp - len(batches) % self.dims.pp
         last = batches[-1]
         zero = torch.zeros_like(last.loss_mask)
-        filler = replace(last, loss_mask=zero, advantages=zero, routed_experts=None, sample_uids=[])
+        filler = replace(last, loss_mask=zero, advantages=zero, routed_experts=None, indexer_topk=None,
+                         sample_uids=[])
         return batches + [filler] * extra
 
     def _forward_only(self, batches: list[TrainBatch], on_output) -> list:
@@ -133,6 +138,7 @@ class RLModel:
             return store[:len(batches)]
         finally:
             self.replayer.clear()
+            self.indexers.clear()
 
     def _token_logprobs(self, batch: TrainBatch, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's logits (padded, CP-local) -> logp/entropy [rows, seq] of the batch's tokens
@@ -186,12 +192,14 @@ class RLModel:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.replayer.agreement.reset()
+        self.indexers.agreement.reset()
         on_output = self._policy_outputs(loss_fn) if self.role == "policy" else self._critic_outputs(loss_fn)
         try:
             store = run_schedule(self.chunks, self._fill_pipeline(batches), self.seq_multiple, on_output,
                                  self._before_forward, cp=self.cp)
         finally:
             self.replayer.clear()
+            self.indexers.clear()
         metrics = _reduce_metrics(store)
         finite = loss_is_finite(metrics.get("loss", 0.0))
         self.lr.advance()
@@ -201,6 +209,10 @@ class RLModel:
             agreement = self.replayer.agreement.reduced()
             if agreement is not None:
                 metrics["route_agreement"] = agreement
+        if any(b.indexer_topk is not None for b in batches):
+            agreement = self.indexers.agreement.reduced()
+            if agreement is not None:
+                metrics["indexer_agreement"] = agreement
         return metrics
 
     def _policy_outputs(self, loss_fn):

@@ -5,8 +5,9 @@ checkpoints/arch (`Family.megatron`, `.mla`, `.rotary`); this module adds what e
 sizes, RMSNorm, SwiGLU, parallel sizes, dtype, and the CUDA-only fusions turned off.
 
 Local (torch) layer specs on CPU, Transformer Engine specs on GPU: ``use_transformer_engine`` is the
-single place that chooses. MLA (GLM-5-class) needs the TE spec: the local spec's attention cannot run
-it in Megatron-Core 0.16.1.
+single place that chooses. Multi-latent attention (GLM-5, DeepSeek-V3) runs our core attention
+(parallel/mla_attention.py) on the local spec, where Megatron's DotProductAttention cannot take a q/k
+head wider than the v head, and in every DSA layer on either spec (TE has no sparse attention).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from checkpoints.arch import ArchShape, SpecError, arch_shape, family_of_config
+from checkpoints.arch.glm5 import indexer_types
 from checkpoints.arch.megatron_parts import rope_theta
 
 from sao_megatron.core.dims import ParallelDims
@@ -90,10 +92,17 @@ def transformer_config(hf: Mapping[str, Any], dims: ParallelDims, dtype: torch.d
     if dispatcher == "allgather" and dims.pp > 1:
         raise SpecError("parallel.dispatcher = allgather cannot run with pp > 1 (Megatron's allgather dispatcher "
                         "needs fixed sequence lengths, RL micro-batches vary): use alltoall")
+    if hf.get("index_topk") and dims.cp > 1:
+        raise SpecError(f"parallel.cp = {dims.cp} with a DSA model (index_topk in config.json): sparse attention "
+                        "selects keys over the whole sequence on one rank (Megatron's DSAttention asserts cp == 1 "
+                        "too); fix: set parallel.cp = 1")
     kwargs = _common_kwargs(hf, dims, dtype, dispatcher, routing_replay)
     kwargs.update(fp8_config_kwargs(fp8))
     kwargs.update(fam.megatron(hf))
-    return (MLATransformerConfig if fam.mla else TransformerConfig)(**kwargs)
+    config = (MLATransformerConfig if fam.mla else TransformerConfig)(**kwargs)
+    # per layer "none" | "full" | "shared": which MLA layers select keys with a DSA indexer
+    config.sao_indexer_types = indexer_types(hf) if fam.mla else ["none"] * config.num_layers
+    return config
 
 
 def rotary_kwargs(hf: Mapping[str, Any]) -> dict:
@@ -106,14 +115,49 @@ def layer_spec(config, impl: str = "auto", vp_stage: Optional[int] = None):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     use_te = use_transformer_engine(impl)
-    if getattr(config, "multi_latent_attention", False) and not use_te:
-        raise SpecError("multi-latent attention (GLM-5-class) needs the Transformer Engine layer spec: "
-                        "Megatron-Core 0.16.1's local DotProductAttention cannot run MLA; use a CUDA node with TE")
     if config.context_parallel_size > 1 and not use_te:
         raise SpecError(f"parallel.cp={config.context_parallel_size} needs the Transformer Engine layer spec "
                         f"(the local attention asserts cp == 1): set parallel.cp = 1 on CPU")
-    return get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
-                                      normalization="RMSNorm", vp_stage=vp_stage)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                       normalization="RMSNorm", vp_stage=vp_stage)
+    if getattr(config, "multi_latent_attention", False):
+        _use_mla_core_attention(block, config, use_te, vp_stage)
+    return block
+
+
+def _use_mla_core_attention(block, config, use_te: bool, vp_stage: Optional[int]) -> None:
+    """Put parallel/mla_attention.py's core attention, with this layer's indexer kind, in every MLA layer
+    spec of this stage (always on the local spec; on TE in DSA layers). The specs Megatron returns share
+    one object per layer kind, so each layer gets its own copy."""
+    import copy
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from .mla_attention import MLACoreAttention
+
+    kinds = getattr(config, "sao_indexer_types", None) or ["none"] * config.num_layers
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    for i, spec in enumerate(block.layer_specs):
+        kind = kinds[offset + i]
+        if use_te and kind == "none":
+            continue   # TE's fused attention takes MLA's head widths
+        spec = block.layer_specs[i] = copy.deepcopy(spec)
+        attention = spec.submodules.self_attention.submodules
+        attention.core_attention = ModuleSpec(module=MLACoreAttention, params={"indexer_kind": kind})
+        if use_te:
+            _unfuse_q_norm(attention)
+
+
+def _unfuse_q_norm(attention) -> None:
+    """TE's spec fuses the q-latent norm into the q up projection, so MLA would hand the indexer the
+    latent before its norm; transformers' indexer reads it after (q_resid = q_a_layernorm(q_a_proj(x))).
+    A separate norm and a plain column-parallel up projection give the indexer the normed latent; the
+    weight names stay those of the local spec (checkpoints/name_map.py)."""
+    from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm
+
+    attention.linear_q_up_proj = TEColumnParallelLinear
+    attention.q_layernorm = TENorm
 
 
 __all__ = ["ArchShape", "SpecError", "VOCAB_PAD_MULTIPLE", "arch_of", "arch_shape", "layer_spec", "padded_vocab_size",

@@ -13,11 +13,11 @@ from typing import Any, Mapping
 
 from sao_megatron.core.shape import ArchShape, shape_from_hf
 
-from . import glm4_moe, glm5, qwen3_moe
+from . import deepseek_v3, glm4_moe, glm5, qwen3_moe
 from .family import Family, SpecError
 from .spec import ArchSpec
 
-FAMILIES: tuple[Family, ...] = (qwen3_moe.FAMILY, glm4_moe.FAMILY, glm5.FAMILY)
+FAMILIES: tuple[Family, ...] = (qwen3_moe.FAMILY, glm4_moe.FAMILY, glm5.FAMILY, deepseek_v3.FAMILY)
 ARCHS: dict[str, Family] = {f.name: f for f in FAMILIES}
 BY_MODEL_TYPE: dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
 

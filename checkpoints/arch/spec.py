@@ -31,6 +31,7 @@ class ArchSpec:
     tie_embeddings: bool = False
     mla: bool = False              # GLM-5 / DeepSeek-V3 multi-latent attention instead of grouped QKV
     q_lora_rank: int = 0           # MLA: 0 = plain q_proj, else q_a_proj -> q_a_layernorm -> q_b_proj
+    indexer_layers: frozenset = frozenset()  # DSA: layers with their own indexer (self_attn.indexer.*)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:

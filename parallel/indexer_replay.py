@@ -1,0 +1,127 @@
+"""Indexer replay: DSA layers attend to the keys the engine's indexer chose, and agreement is measured.
+
+DSA's top-k selection is discontinuous, like MoE routing: near-tied index scores flip under float noise,
+so the trainer replays the engine's choices as it replays routes (parallel/routing_replay.py). Engine
+selections come per sample as int32 ``[tokens - 1, num_hidden_layers, index_topk]`` logical key positions
+(-1 = empty slot; checkpoints/arch/dsa.py), one column per hidden layer with "shared" layers mirroring
+their full layer, as SGLang 0.5.23 lays them out (configs/model_config.py get_num_indexer_layers). In a
+TrainBatch they are ``indexer_topk [rows, seq, num_hidden_layers, index_topk]``, -1 where a position
+has none (the last token and padding): such a query keeps only -1 slots, so it attends to nothing but
+itself... which is never read, because those positions come after every real one.
+
+The core attention sees the whole sequence on every TP rank (heads are split, not positions), so each
+layer takes ``[rows, seq, index_topk]`` as it is; context parallelism is refused with DSA.
+
+``train/indexer_agreement`` = share of replayed (token, layer, slot) choices, over valid slots (>= 0),
+that the trainer's own indexer also selects for that token and layer; counted on TP rank 0 only (the
+other TP ranks compute the same), summed over DP and PP ranks.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Optional
+
+import torch
+
+from .mla_attention import sparse_layers
+
+log = logging.getLogger(__name__)
+
+
+class IndexerAgreement:
+    """Counts replayed (token, layer, slot) choices the trainer's own indexer also made."""
+
+    def __init__(self):
+        self.agree = 0
+        self.total = 0
+
+    def reset(self) -> None:
+        self.agree, self.total = 0, 0
+
+    def count(self, replayed: torch.Tensor, own: torch.Tensor) -> None:
+        """replayed, own: [b, sq, k] positions (-1 = empty)."""
+        from megatron.core import parallel_state
+
+        if parallel_state.get_tensor_model_parallel_rank() != 0:
+            return
+        valid = replayed >= 0
+        hit = (replayed.unsqueeze(-1) == own.unsqueeze(-2)).any(dim=-1) & valid
+        self.agree += int(hit.sum())
+        self.total += int(valid.sum())
+
+    def reduced(self, group=None) -> Optional[float]:
+        from .distributed import comm_device
+
+        counts = torch.tensor([self.agree, self.total], dtype=torch.float64, device=comm_device())
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(counts, group=group)
+        return float(counts[0] / counts[1]) if counts[1] > 0 else None
+
+
+class IndexerReplayer:
+    """Sets each DSA layer's selection per micro-batch and model chunk (the RouteReplayer of indexers)."""
+
+    def __init__(self, model_chunks: Iterable[torch.nn.Module], num_layers: int, index_topk: int):
+        self.chunks = list(model_chunks)
+        self.num_layers, self.index_topk = num_layers, index_topk
+        self.agreement = IndexerAgreement()
+        self._layers = [sparse_layers(c) for c in self.chunks]
+        self._warned = False
+        for index, (chunk, layers) in enumerate(zip(self.chunks, self._layers)):
+            for _, module in layers:
+                module.selection.agreement = self.agreement
+            if layers:
+                chunk.register_forward_hook(self._arm_backward(index))
+
+    @property
+    def active(self) -> bool:
+        return any(self._layers)
+
+    def _arm_backward(self, chunk_index: int):
+        """Activation recompute re-runs this chunk's forwards during backward: from then on its layers
+        take the queued targets of the micro-batch being recomputed."""
+        def hook(module, args, output):
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(lambda grad: self._enter_backward(chunk_index))
+        return hook
+
+    def _enter_backward(self, chunk_index: int) -> None:
+        for _, module in self._layers[chunk_index]:
+            module.selection.in_backward = True
+
+    def set_topk(self, chunk_index: int, indexer_topk: Optional[torch.Tensor]) -> None:
+        """Replay `indexer_topk` [rows, seq, num_layers, index_topk] in this chunk's DSA layers (layer l
+        <- column l); None = the layers select with the trainer's own indexer (said once per run)."""
+        layers = self._layers[chunk_index]
+        if not layers:
+            return
+        if indexer_topk is None:
+            if not self._warned:
+                log.warning("DSA model without the engine's indexer_topk: the trainer selects keys with its own "
+                            "indexer, which can differ from the engine's on near-tied scores (serve with "
+                            "--enable-return-indexer-topk to replay them)")
+                self._warned = True
+            for _, module in layers:
+                module.selection.set_targets(None)
+            return
+        check_indexer_topk(indexer_topk, self.num_layers, self.index_topk)
+        for layer, module in layers:
+            module.selection.set_targets(indexer_topk[:, :, layer].long().contiguous())
+
+    def clear(self) -> None:
+        for layers in self._layers:
+            for _, module in layers:
+                module.selection.clear()
+
+
+def check_indexer_topk(indexer_topk: torch.Tensor, num_layers: int, index_topk: int) -> None:
+    """One line naming the field, the shape wanted and the shape got."""
+    shape = tuple(indexer_topk.shape)
+    if indexer_topk.dim() != 4 or shape[2] != num_layers or shape[3] != index_topk:
+        raise ValueError(f"indexer_topk has shape {shape}; expected [rows, seq, {num_layers}, {index_topk}]: one "
+                         f"column per hidden layer and index_topk slots (SGLang's layout); fix: take it from an "
+                         f"engine serving this model")
+    seq = shape[1]
+    if bool(((indexer_topk < -1) | (indexer_topk >= seq)).any()):
+        raise ValueError(f"indexer_topk holds positions outside [-1, {seq - 1}] for sequences of {seq} tokens; "
+                         f"fix: take it from an engine serving this model (positions are logical, not cache slots)")
