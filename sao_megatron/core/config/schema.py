@@ -70,6 +70,10 @@ class ModelConfig:
     transformer_impl: Literal["auto", "local", "transformer_engine"] = doc(
         "auto", "Layer spec: auto = Transformer Engine when CUDA and TE are present, else local.")
     recompute: Literal["none", "selective", "full"] = doc("none", "Activation recomputation.")
+    indexer_loss_coeff: float = doc(0.0, "DSA models (GLM-5): weight of Megatron's indexer KL loss; 0 keeps the "
+                                         "lightning indexer frozen, as Megatron's DSAttention does by default "
+                                         "(the policy loss never reaches it: its inputs are detached).",
+                                    bounds="[0, 10]")
 
     def check(self, p: str) -> None:
         _require(bool(self.path), f"{p}.path", "no model directory given",
