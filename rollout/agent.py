@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Optional
 
 from rollout.sandbox import SandboxLimits, run_python
+from rollout.sandbox_bwrap import require_bwrap
 from sao_megatron.core.records import Sample, SampleStatus
 
 TurnFn = Callable[[Sample, int, list[int]], Awaitable[str]]
@@ -66,6 +67,17 @@ class ToolAgent:
         self.context_length = context_length
         self.call_end = self._special_id("</tool_call>")
         self.stop_ids = [tokenizer.eos_token_id, self.call_end]
+
+    @classmethod
+    def from_config(cls, cfg, tokenizer, context_length: Optional[int] = None, **kwargs) -> "ToolAgent":
+        """rollout.agent = 'python_tool': budgets from the rollout section (max_new_tokens per turn)."""
+        limits = SandboxLimits(wall_time_s=5, isolation=getattr(cfg, "sandbox", "bwrap"))
+        if limits.isolation == "bwrap":   # one line at start (rollout.sandbox), not a crash at the first call
+            require_bwrap()
+        return cls(tokenizer, max_turns=cfg.max_turns, max_total_tokens=cfg.max_episode_tokens,
+                   max_turn_tokens=cfg.max_new_tokens,
+                   max_observation_tokens=max(1, cfg.max_episode_tokens // cfg.max_turns),
+                   sandbox_limits=limits, context_length=context_length, **kwargs)
 
     def _special_id(self, token: str) -> int:
         tid = self.tokenizer.convert_tokens_to_ids(token)
@@ -160,3 +172,34 @@ def append_observation(sample: Sample, ids: list[int]) -> None:
     sample.rollout_logprobs.extend([0.0] * len(ids))
     sample.weight_versions.extend([version] * len(ids))
     sample.routed_experts = None      # the next turn's engine result covers the observation again
+    sample.indexer_topk = None
+
+
+class FunctionAgent:
+    """rollout.generate_fn: the user's ``async fn(sample, turn, tokenizer)`` runs each sample's rollout.
+
+    ``turn(sample, max_new_tokens, stop_ids)`` generates one segment onto the sample (loss_mask 1, the
+    engines' logprobs and weight versions, failover and continuation across weight updates included)
+    and returns "stop", "length" or "failed"; environment tokens go in with `append_observation`
+    (loss_mask 0). The function may set ``sample.status``, ``response_text`` and ``metadata`` (the
+    reward sees them); ``metadata["turns"]`` defaults to the number of turn calls.
+    """
+
+    def __init__(self, fn, path: str = ""):
+        self.fn, self.path = fn, path
+
+    async def rollout(self, sample: Sample, turn: TurnFn, tokenizer) -> None:
+        calls = 0
+
+        async def counted(s: Sample, max_new_tokens: int, stop_ids: list[int]) -> str:
+            nonlocal calls
+            calls += 1
+            return await turn(s, max_new_tokens, stop_ids)
+
+        await self.fn(sample, counted, tokenizer)
+        sample.metadata.setdefault("turns", calls)
+        if sample.status in (SampleStatus.PENDING, SampleStatus.ABORTED):
+            sample.status = SampleStatus.COMPLETED
+        if not sample.response_text:
+            sample.response_text = tokenizer.decode(
+                [t for t, m in zip(sample.response_ids, sample.loss_mask) if m], skip_special_tokens=True)

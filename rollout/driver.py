@@ -46,7 +46,7 @@ from rollout.context import PromptTooLong, fit_max_new_tokens
 from rollout.engine import EngineError, GenerateRequest, GenerateResult, Generator, settle_prefix_cache
 from rollout.engine_health import ENGINE_FAILURES, DriverError, EngineHealth, rejected
 from rollout.rewards.base import apply_reward
-from rollout.staleness import StalenessStats, admission_room, token_versions
+from rollout.staleness import StalenessControl, StalenessStats, token_versions
 from sao_megatron.core.records import Sample, SampleStatus
 
 log = logging.getLogger(__name__)
@@ -54,9 +54,10 @@ log = logging.getLogger(__name__)
 UPDATE_MODES = ("in_place", "retract", "abort")
 
 
-class RolloutDriver(EngineHealth):
+class RolloutDriver(EngineHealth, StalenessControl):
     """The rollout side of the trainer: samples in, batches out, and the one owner of pause/resume
-    (`weight_update`). Engine health (pick, mark dead, probe) is its part in rollout/engine_health.py."""
+    (`weight_update`). Engine health (pick, mark dead, probe) is its part in rollout/engine_health.py;
+    admission and the staleness bound its part in rollout/staleness.py."""
 
     def __init__(self, engines: list[Generator], prompt_source, reward_fn, cfg, tokenizer, *, seed: int,
                  filters: Iterable[GroupFilter] = (), buffer_capacity: Optional[int] = None, agent=None,
@@ -236,18 +237,6 @@ class RolloutDriver(EngineHealth):
             self._active[sample.uid] = sample
             self._tasks[sample.uid] = asyncio.create_task(self._run(sample), name=f"rollout-{sample.uid}")
 
-    def _admission_room(self) -> int:
-        """Samples that may start now and still be trained within the staleness bound (staleness.py);
-        never less than what a waiting get_batch still needs, so the trainer is never starved."""
-        if not self.staleness_admission:
-            return 1 << 30
-        ahead = len(self._active) + self.buffer.num_ready + self.buffer.num_partial
-        live = [v for n, v in self._versions.items() if n not in self._dead and n not in self._awaiting_weights]
-        next_version = self._current_version if self._next_version is None else self._next_version
-        room = admission_room(bound=self.cfg.staleness_bound, engine_version=min(live or self._versions.values()),
-                              next_train_version=next_version, pace=max(self._pace, 1), ahead=ahead)
-        return max(room, self._wanted - ahead)
-
     def _draw_prompt(self) -> list[Sample]:
         prompt = self.prompt_source.next()
         samples = []
@@ -370,6 +359,8 @@ class RolloutDriver(EngineHealth):
         sample.weight_versions.extend(versions)
         routes = result.routed_experts
         sample.routed_experts = routes if routes is not None and routes.shape[0] == sample.num_tokens - 1 else None
+        chosen = result.indexer_topk
+        sample.indexer_topk = chosen if chosen is not None and chosen.shape[0] == sample.num_tokens - 1 else None
         sample.metadata["engine"] = result.engine or sample.metadata.get("engine", "")
 
     def _count_failure_in_a_row(self, sample: Sample) -> None:
@@ -387,19 +378,6 @@ class RolloutDriver(EngineHealth):
         log.warning("sample %s failed: %s", sample.uid, reason)
         return "failed"
 
-    # ---- staleness ---------------------------------------------------------------------------------
-    def _apply_staleness_bound(self) -> None:
-        for group in self.buffer.take_stale(self._current_version, self.cfg.staleness_bound):
-            self.stats.dropped += len(group)
-            if self.cfg.stale_policy == "regenerate":
-                self._pending.extendleft(reversed([self._reset(s) for s in group]))
-
-    @staticmethod
-    def _reset(sample: Sample) -> Sample:
-        keep = {k: v for k, v in sample.metadata.items() if k not in ("error", "engine", "env_step", "turns")}
-        return Sample(uid=sample.uid, prompt_index=sample.prompt_index, prompt_ids=sample.prompt_ids,
-                      group_id=sample.group_id, prompt_text=sample.prompt_text, label=sample.label, metadata=keep)
-
     # ---- errors, metrics, resume -----------------------------------------------------------------------
     def _raise_if_failed(self) -> None:
         if isinstance(self._error, DriverError):   # a known cause: its one line says it all
@@ -413,6 +391,7 @@ class RolloutDriver(EngineHealth):
         out = {
             "rollout/raw_reward": _mean([s.reward for s in batch]),
             "rollout/response_len": _mean([len(s.response_ids) for s in batch]),
+            "rollout/turns": _mean([s.metadata.get("turns", 1) for s in batch]),   # model turns per sample
             "rollout/staleness_mean": self.stats.mean, "rollout/staleness_max": self.stats.max,
             "rollout/dropped_stale": self.stats.dropped, "rollout/finished": self.counts["finished"],
             "rollout/failed": self.counts["failed"], "rollout/admission_room": self._admission_room(),
@@ -448,11 +427,12 @@ class RolloutDriver(EngineHealth):
 
 
 def _work_state(sample: Sample) -> dict:
-    """A sample still being generated, without its routes: its continuation's engine call returns
-    routes for the whole prefix again, and they are the largest part of a checkpoint."""
+    """A sample still being generated, without its routes and indexer choices: its continuation's
+    engine call returns them for the whole prefix again, and they are the largest part of a checkpoint."""
     state = copy.deepcopy(sample.to_dict())
     if sample.status in (SampleStatus.PENDING, SampleStatus.ABORTED):
         state.pop("routed_experts", None)
+        state.pop("indexer_topk", None)
     return state
 
 

@@ -5,11 +5,16 @@
 ``Random(seed * 1_000_003 + e)``), so the stream is reproducible and `state_dict()` (epoch,
 position, prompts drawn) restores it exactly.
 
-Datasets: ``.jsonl`` (one JSON object per line), ``.json`` (a list), ``.parquet``, or a directory
-written by HF ``datasets.save_to_disk``. Each row needs ``prompt`` (a string, or a list of chat
-messages ``{"role", "content"}``); ``answer`` (or ``label``) becomes the label; other fields go to
-metadata. A bad row (not JSON, no prompt, too long after templating) is reported with its line
-number and skipped, or fails the run, by ``rollout.bad_row``; never silently.
+Datasets: ``.jsonl`` (one JSON object per line), ``.json`` (a list), ``.parquet``, a directory
+written by HF ``datasets.save_to_disk``, or any other local directory ``datasets.load_dataset`` reads
+(data files, a dataset repository's snapshot in the HF cache; split ``rollout.dataset_split``); a
+local path is never fetched from the hub. Each row needs the prompt field ``rollout.prompt_key``
+(default ``prompt``: a string, or a list of chat messages ``{"role", "content"}``); ``rollout.label_key``
+(default: ``answer``, else ``label``) becomes the label; other fields go to metadata. Chat-template
+options: ``rollout.system_prompt`` (a system message first unless the row has one) and
+``rollout.enable_thinking`` / ``rollout.chat_template_kwargs``, passed to ``apply_chat_template``.
+A bad row (not JSON, no prompt, too long after templating) is reported with its line number and
+skipped, or fails the run, by ``rollout.bad_row``; never silently.
 """
 from __future__ import annotations
 
@@ -49,13 +54,14 @@ class PromptSource:
 
     def __init__(self, rows: list[Row], tokenizer, seed: int, *, max_prompt_len: int = 256,
                  bad_row: str = "skip", chat_template: bool = True, shuffle: bool = True,
-                 name: str = "prompts"):
+                 name: str = "prompts", system_prompt: str = "", template_kwargs: Optional[dict] = None):
         if not rows:
             raise ValueError(f"{name}: no usable rows; check rollout.dataset / rollout.task")
         self.rows, self.tokenizer, self.seed = rows, tokenizer, seed
         self.max_prompt_len, self.bad_row, self.name = max_prompt_len, bad_row, name
         self.chat_template = chat_template and bool(getattr(tokenizer, "chat_template", None))
         self.shuffle = shuffle
+        self.system_prompt, self.template_kwargs = system_prompt, dict(template_kwargs or {})
         self.epoch, self.position, self.drawn = 0, 0, 0
         self.bad_rows: dict[int, str] = {}   # line -> reason, reported once each
         self._order = self._permutation(0)
@@ -86,14 +92,14 @@ class PromptSource:
         raise ValueError(f"{self.name}: every row is bad ({len(self.bad_rows)} reported); fix the dataset")
 
     def _encode(self, row: Row) -> Optional[tuple[list[int], str]]:
-        if isinstance(row.prompt, list):
-            messages = row.prompt
-        else:
-            messages = [{"role": "user", "content": row.prompt}]
+        messages = row.prompt if isinstance(row.prompt, list) else [{"role": "user", "content": row.prompt}]
+        if self.system_prompt and messages[0].get("role") != "system":
+            messages = [{"role": "system", "content": self.system_prompt}] + list(messages)
         if self.chat_template or isinstance(row.prompt, list):
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        else:
-            text = row.prompt
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                      **self.template_kwargs)
+        else:   # no template: the system prompt is a line of its own before the prompt
+            text = f"{self.system_prompt}\n{row.prompt}" if self.system_prompt else row.prompt
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         if len(ids) > self.max_prompt_len:
             self.report_bad(row.line, f"prompt has {len(ids)} tokens > rollout.max_prompt_len {self.max_prompt_len}")
@@ -124,29 +130,25 @@ def report_bad_row(name: str, line: int, reason: str, policy: str) -> None:
     log.warning("%s; skipped (rollout.bad_row='skip')", message)
 
 
-def _row_from_record(record: Any, line: int) -> Row:
+def _row_from_record(record: Any, line: int, prompt_key: str = "prompt", label_key: str = "") -> Row:
     if not isinstance(record, dict):
         raise ValueError(f"row is {type(record).__name__}, expected an object")
-    prompt = record.get("prompt")
-    if isinstance(prompt, list):
+    prompt = record.get(prompt_key)
+    if isinstance(prompt, list) and prompt:
         if not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
-            raise ValueError("'prompt' list must hold {'role', 'content'} messages")
+            raise ValueError(f"{prompt_key!r} list must hold {{'role', 'content'}} messages")
     elif not isinstance(prompt, str) or not prompt:
-        raise ValueError("missing or empty 'prompt' field")
-    label = record.get("answer", record.get("label"))
-    meta = {k: v for k, v in record.items() if k not in ("prompt", "answer", "label")}
+        raise ValueError(f"missing or empty {prompt_key!r} field (rollout.prompt_key)")
+    label_keys = (label_key,) if label_key else ("answer", "label")
+    label = next((record[k] for k in label_keys if k in record), None)
+    meta = {k: v for k, v in record.items() if k not in (prompt_key, *label_keys)}
     return Row(line, prompt, label, meta)
 
 
-def _records(path: Path, bad_row: str):
+def _records(path: Path, bad_row: str, split: str = "train"):
     """(line, record-or-exception) pairs of a dataset file."""
     if path.is_dir():
-        try:
-            import datasets
-        except ImportError as exc:
-            raise ImportError(f"rollout.dataset {path} is a directory (HF datasets format); "
-                              "pip install datasets, or give a .jsonl/.parquet file") from exc
-        yield from enumerate(datasets.load_from_disk(str(path)), start=1)
+        yield from enumerate(_hf_directory(path, split), start=1)
     elif path.suffix == ".parquet":
         import pyarrow.parquet as pq
         yield from enumerate(pq.read_table(path).to_pylist(), start=1)
@@ -169,16 +171,39 @@ def _records(path: Path, bad_row: str):
                          "or an HF datasets directory")
 
 
-def load_rows(path: str, bad_row: str = "skip") -> list[Row]:
+def _hf_directory(path: Path, split: str):
+    """A local HF dataset: save_to_disk's layout (load_from_disk), else whatever load_dataset reads
+    from a directory (data files, or a repository snapshot in the HF cache,
+    ~/.cache/huggingface/hub/datasets--ORG--NAME/snapshots/REV). A local path is read with the packaged
+    builders (json, parquet, csv, ...), never from the hub."""
+    try:
+        import datasets
+    except ImportError as exc:
+        raise ImportError(f"rollout.dataset {path} is a directory (HF datasets format); "
+                          "pip install datasets, or give a .jsonl/.parquet file") from exc
+    if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
+        data = datasets.load_from_disk(str(path))
+    else:
+        data = datasets.load_dataset(str(path))
+    if isinstance(data, (datasets.DatasetDict, dict)):
+        if split not in data:
+            raise ValueError(f"rollout.dataset {path} has no split {split!r} (it has {', '.join(data)}); "
+                             "set rollout.dataset_split")
+        data = data[split]
+    return data
+
+
+def load_rows(path: str, bad_row: str = "skip", *, prompt_key: str = "prompt", label_key: str = "",
+              split: str = "train") -> list[Row]:
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"rollout.dataset {path} does not exist")
     rows = []
-    for line, record in _records(p, bad_row):
+    for line, record in _records(p, bad_row, split):
         try:
             if isinstance(record, Exception):
                 raise record
-            rows.append(_row_from_record(record, line))
+            rows.append(_row_from_record(record, line, prompt_key, label_key))
         except ValueError as exc:
             report_bad_row(str(p), line, str(exc), bad_row)
     return rows
@@ -209,8 +234,20 @@ def build_prompt_source(cfg, tokenizer, seed: int, *, num_problems: int = 4096, 
     if switch_every is None:
         switch_every = getattr(cfg, "env_switch_every", 50)
     if cfg.dataset:
-        rows, name = load_rows(cfg.dataset, cfg.bad_row), cfg.dataset
+        rows = load_rows(cfg.dataset, cfg.bad_row, prompt_key=getattr(cfg, "prompt_key", "prompt"),
+                         label_key=getattr(cfg, "label_key", ""), split=getattr(cfg, "dataset_split", "train"))
+        name = cfg.dataset
     else:
         rows, name = task_rows(cfg.task, seed, num_problems, switch_every), f"task {cfg.task}"
     return PromptSource(rows, tokenizer, seed, max_prompt_len=cfg.max_prompt_len, bad_row=cfg.bad_row,
-                        chat_template=chat_template, name=name)
+                        chat_template=chat_template, name=name, system_prompt=getattr(cfg, "system_prompt", ""),
+                        template_kwargs=template_kwargs(cfg))
+
+
+def template_kwargs(cfg) -> dict:
+    """Extra apply_chat_template arguments: rollout.chat_template_kwargs plus enable_thinking when set
+    (Qwen3's template reads it; templates ignore names they do not use)."""
+    kwargs = dict(getattr(cfg, "chat_template_kwargs", {}) or {})
+    if getattr(cfg, "enable_thinking", None) is not None:
+        kwargs["enable_thinking"] = cfg.enable_thinking
+    return kwargs

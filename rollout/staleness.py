@@ -75,3 +75,37 @@ def admission_room(*, bound: int, engine_version: int, next_train_version: int, 
     bound; get_batch drops those (``rollout/dropped_stale``).
     """
     return (bound + 1 + engine_version - next_train_version) * pace - ahead
+
+
+class StalenessControl:
+    """The RolloutDriver's part that keeps samples within the bound: what may start (admission) and
+    what a batch may not contain (the bound itself). State lives on the driver (driver.py)."""
+
+    def _admission_room(self) -> int:
+        """Samples that may start now and still be trained within the staleness bound (admission_room);
+        never less than what a waiting get_batch still needs, so the trainer is never starved."""
+        if not self.staleness_admission:
+            return 1 << 30
+        ahead = len(self._active) + self.buffer.num_ready + self.buffer.num_partial
+        live = [v for n, v in self._versions.items() if n not in self._dead and n not in self._awaiting_weights]
+        next_version = self._current_version if self._next_version is None else self._next_version
+        room = admission_room(bound=self.cfg.staleness_bound, engine_version=min(live or self._versions.values()),
+                              next_train_version=next_version, pace=max(self._pace, 1), ahead=ahead)
+        return max(room, self._wanted - ahead)
+
+    def _apply_staleness_bound(self) -> None:
+        for group in self.buffer.take_stale(self._current_version, self.cfg.staleness_bound):
+            self.stats.dropped += len(group)
+            if self.cfg.stale_policy == "regenerate":
+                self._pending.extendleft(reversed([fresh_copy(s) for s in group]))
+
+
+# what a rollout wrote into a sample's metadata (agents included), dropped when it is generated again
+ROLLOUT_KEYS = ("error", "engine", "env_step", "turns", "submitted", "workspace")   # not attempts: request ids stay unique
+
+
+def fresh_copy(sample: Sample) -> Sample:
+    """The sample as drawn from its prompt, to be generated again from scratch under the same uid."""
+    keep = {k: v for k, v in sample.metadata.items() if k not in ROLLOUT_KEYS}
+    return Sample(uid=sample.uid, prompt_index=sample.prompt_index, prompt_ids=sample.prompt_ids,
+                  group_id=sample.group_id, prompt_text=sample.prompt_text, label=sample.label, metadata=keep)

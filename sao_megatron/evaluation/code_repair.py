@@ -193,9 +193,12 @@ class CodeRepairEval(AgenticEval):
 
     @classmethod
     def from_source(cls, arg: str, eval_cfg, rollout_cfg, context_length: Optional[int] = None) -> "CodeRepairEval":
+        from .runner import eval_sampling
+
         limits = dataclasses.replace(cls.sandbox_limits, isolation=getattr(rollout_cfg, "sandbox", "bwrap"))
-        return cls(arg, max_turns=eval_cfg.max_turns, max_turn_tokens=rollout_cfg.max_new_tokens,
-                   max_episode_tokens=eval_cfg.max_episode_tokens, temperature=rollout_cfg.temperature,
+        temperature, _, max_new_tokens = eval_sampling(eval_cfg, rollout_cfg)
+        return cls(arg, max_turns=eval_cfg.max_turns, max_turn_tokens=max_new_tokens,
+                   max_episode_tokens=eval_cfg.max_episode_tokens, temperature=temperature,
                    sandbox_limits=limits, context_length=context_length)
 
     def problems(self) -> list:

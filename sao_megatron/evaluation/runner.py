@@ -4,7 +4,11 @@ Used on `eval.interval` during training (with the engines' current weights) and 
 Answer checking: the task's own checker for built-in tasks, math-verify for dataset files
 (AIME / BeyondAIME / IMO-AnswerBench-style jsonl with `prompt` and `answer`).
 Agentic benchmarks plug in as an `AgenticEval` (an environment that scores a whole episode),
-named in eval.datasets as 'SCHEME:ARG' with SCHEME registered in AGENTIC_EVALS.
+named in eval.datasets as 'SCHEME:ARG' with SCHEME registered in AGENTIC_EVALS or, from a recipe,
+in eval.agentic_evals = {SCHEME = 'pkg.mod:Class'}.
+Sampling: eval.temperature / eval.top_p / eval.max_new_tokens, each falling back to rollout's.
+Prompts get the rollout's chat-template options (system prompt, enable_thinking, template kwargs),
+so a held-out prompt reads as a training prompt does.
 """
 from __future__ import annotations
 
@@ -55,16 +59,28 @@ class AgenticEval(abc.ABC):
     def problems(self) -> list: ...
 
 
+def agentic_evals(eval_cfg) -> dict:
+    """Scheme -> 'module:Class': the built-in ones and the recipe's eval.agentic_evals."""
+    return {**AGENTIC_EVALS, **(getattr(eval_cfg, "agentic_evals", None) or {})}
+
+
+def eval_sampling(eval_cfg, rollout_cfg) -> tuple[float, float, int]:
+    """(temperature, top_p, max_new_tokens) of evaluation: eval's own, else rollout's."""
+    pick = lambda name: getattr(eval_cfg, name, None) if getattr(eval_cfg, name, None) is not None \
+        else getattr(rollout_cfg, name)   # noqa: E731
+    return float(pick("temperature")), float(pick("top_p")), int(pick("max_new_tokens"))
+
+
 def agentic_eval_for(source: str, eval_cfg, rollout_cfg, context_length: Optional[int] = None) -> Optional[AgenticEval]:
     """The AgenticEval a 'SCHEME:ARG' source names, or None for a dataset file or 'task:NAME'."""
     scheme, sep, arg = source.partition(":")
     if not sep or scheme == "task":
         return None
-    if scheme not in AGENTIC_EVALS:
-        known = ", ".join(["task"] + sorted(AGENTIC_EVALS))
+    known = agentic_evals(eval_cfg)
+    if scheme not in known:
         raise ConfigError("eval.datasets", f"unknown source scheme {scheme!r} in {source!r}",
-                          f"use one of {known}, or a file path without ':'")
-    return resolve_import_path(AGENTIC_EVALS[scheme], "eval.datasets").from_source(
+                          f"use one of {', '.join(['task'] + sorted(known))}, or a file path without ':'")
+    return resolve_import_path(known[scheme], "eval.datasets").from_source(
         arg, eval_cfg, rollout_cfg, context_length=context_length)
 
 
@@ -93,7 +109,7 @@ def scorer_for(source: str):
 
 async def evaluate_source(engines: list[Generator], tokenizer, source: str, *, k: int, temperature: float,
                           max_new_tokens: int, seed: int = 0, limit: int = 0, concurrency: int = 32,
-                          context_length: Optional[int] = None) -> dict:
+                          context_length: Optional[int] = None, top_p: float = 1.0, template=None) -> dict:
     """avg@k / pass@k of k samples per row. max_new_tokens is capped so prompt + response fits
     ``context_length`` (rollout/context.py); a prompt that alone does not fit scores 0 and is counted
     in ``errors`` (present only when some were), with one warning line each."""
@@ -104,7 +120,7 @@ async def evaluate_source(engines: list[Generator], tokenizer, source: str, *, k
     too_long: list[str] = []
 
     async def one(problem_index: int, sample_index: int, row) -> float:
-        prompt_ids = encode_prompt(tokenizer, row.prompt)
+        prompt_ids = encode_prompt(tokenizer, row.prompt, template)
         try:
             budget = fit_max_new_tokens(len(prompt_ids), len(prompt_ids), max_new_tokens, context_length)
         except PromptTooLong as exc:
@@ -113,7 +129,7 @@ async def evaluate_source(engines: list[Generator], tokenizer, source: str, *, k
             too_long.append(str(exc))
             return 0.0
         request = GenerateRequest(rid=f"eval-{problem_index}-{sample_index}-{seed}", input_ids=prompt_ids,
-                                  max_new_tokens=budget, temperature=temperature,
+                                  max_new_tokens=budget, temperature=temperature, top_p=top_p,
                                   seed=seed * 1_000_003 + problem_index * 1009 + sample_index,
                                   stop_token_ids=[tokenizer.eos_token_id], return_routed_experts=False)
         async with limiter:
@@ -176,10 +192,11 @@ async def evaluate_all(engines, tokenizer, eval_cfg, rollout_cfg, seed: int = 0,
                                             limit=eval_cfg.max_problems, episodes=episodes)
         else:
             name = source[5:] if source.startswith("task:") else Path(source).stem
-            result = await evaluate_source(engines, tokenizer, source, k=eval_cfg.k,
-                                           temperature=rollout_cfg.temperature,
-                                           max_new_tokens=rollout_cfg.max_new_tokens, seed=seed,
-                                           limit=eval_cfg.max_problems, context_length=context_length)
+            temperature, top_p, max_new_tokens = eval_sampling(eval_cfg, rollout_cfg)
+            result = await evaluate_source(engines, tokenizer, source, k=eval_cfg.k, temperature=temperature,
+                                           top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
+                                           limit=eval_cfg.max_problems, context_length=context_length,
+                                           template=rollout_cfg)
         out.update({f"eval/{name}/{key}": value for key, value in result.items()})
     return out
 
@@ -188,9 +205,16 @@ def _reported_ks(k: int) -> list[int]:
     return sorted({1, k} | ({16} if k >= 16 else set()))
 
 
-def encode_prompt(tokenizer, prompt) -> list[int]:
+def encode_prompt(tokenizer, prompt, template=None) -> list[int]:
+    """Prompt ids through the chat template; `template` (a rollout section) adds its system prompt and
+    template kwargs (rollout/prompts.py), as training prompts get them."""
+    from rollout.prompts import template_kwargs
+
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    system = getattr(template, "system_prompt", "") if template is not None else ""
+    if system and messages[0].get("role") != "system":
+        messages = [{"role": "system", "content": system}] + list(messages)
     if getattr(tokenizer, "chat_template", None):
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
+                                                  return_dict=False, **template_kwargs(template)))
     return tokenizer.encode(prompt if isinstance(prompt, str) else messages[-1]["content"])

@@ -26,11 +26,14 @@ def check_installed(recipe) -> None:
     check_model_presets(recipe.model)
     if rollout.task and not rollout.dataset:
         check_task("rollout.task", rollout.task)
-    for name, path in (("rollout.reward_fn", rollout.reward_fn), ("algorithm.loss", _custom(recipe.algorithm.loss))):
+    for name, path in (("rollout.reward_fn", rollout.reward_fn), ("algorithm.loss", _custom(recipe.algorithm.loss)),
+                       ("rollout.generate_fn", rollout.generate_fn), ("rollout.agent", _custom(rollout.agent))):
         if path:
             _importable(name, path)
+    for scheme, path in recipe.eval.agentic_evals.items():
+        _importable(f"eval.agentic_evals.{scheme}", path)
     for source in recipe.eval.datasets:
-        check_eval_source(source)
+        check_eval_source(source, recipe.eval.agentic_evals)
     check_resume_path(recipe.checkpoint.resume)
     if recipe.logging.tensorboard:
         check_package("logging.tensorboard", "tensorboard", "pip install tensorboard, or set logging.tensorboard = false")
@@ -65,14 +68,14 @@ def check_model_presets(model) -> None:
                               f"use one of {', '.join(sorted(known)) or '(none)'} (checkpoints/arch/{model.arch}.py)")
 
 
-def check_eval_source(source: str) -> None:
+def check_eval_source(source: str, own_schemes: dict = {}) -> None:   # noqa: B006 - read only
     """'task:NAME', 'SCHEME:FILE' of a registered agentic eval, or an existing jsonl/parquet file."""
     scheme, sep, arg = source.partition(":")
     if sep and scheme == "task":
         check_task("eval.datasets", arg)
         return
     if sep:
-        schemes = resolve_import_path(AGENTIC_EVALS, "eval.datasets")
+        schemes = {**resolve_import_path(AGENTIC_EVALS, "eval.datasets"), **own_schemes}
         if scheme not in schemes:
             raise ConfigError("eval.datasets", f"unknown source scheme {scheme!r} in {source!r}",
                               f"use one of task, {', '.join(sorted(schemes))}, or a file path without ':'")

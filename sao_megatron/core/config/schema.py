@@ -162,6 +162,14 @@ class RolloutConfig:
     env_switch_every: int = doc(50, "Task 'online': the rewarded rule switches every this many trainer steps.",
                                 bounds=">= 1")
     bad_row: Literal["skip", "fail"] = doc("skip", "A malformed dataset row is reported and skipped, or fails the run.")
+    prompt_key: str = doc("prompt", "Dataset field holding the prompt (a string or a list of chat messages).")
+    label_key: str = doc("", "Dataset field holding the label the reward checks; '' = 'answer', else 'label'.")
+    dataset_split: str = doc("train", "Split read from an HF dataset directory that has several.")
+    system_prompt: str = doc("", "System message put before every prompt ('' = none; a row's own system message wins).")
+    enable_thinking: Optional[bool] = doc(None, "Passed to the chat template as enable_thinking (Qwen3: false turns "
+                                                "thinking off); None = the template's default.")
+    chat_template_kwargs: dict = doc({}, "Extra keyword arguments for tokenizer.apply_chat_template (e.g. "
+                                         "{reasoning_effort = 'low'}).")
     reward_fn: str = doc("", "Reward function import path 'pkg.mod:fn' (imported when the recipe is checked); "
                              "'' = the task's own.")
     reward_timeout_s: float = doc(10.0, "Timeout of one reward call; a timeout marks the sample failed.",
@@ -176,6 +184,15 @@ class RolloutConfig:
                                        bounds="> 0")
     engine_restarts: int = doc(2, "Restarts of locally started engines that exit, per run (their requests are "
                                   "re-issued); engines at engine_urls are not restarted.", bounds=">= 0")
+    agent: str = doc("", "Multi-turn agent run on every prompt: '' = one turn; 'python_tool' (python + submit "
+                         "tools, rollout/agent.py); 'code_repair' (read/write/python/submit on the row's repository, "
+                         "scored by its hidden tests); or 'pkg.mod:Class' with from_config(rollout_cfg, tokenizer, "
+                         "context_length) (docs/rollout.md, Agents).")
+    generate_fn: str = doc("", "Your own async rollout 'pkg.mod:fn', called as await fn(sample, turn, tokenizer) for "
+                               "every sample ('' = the driver's; not with rollout.agent; docs/rollout.md, Agents).")
+    max_turns: int = doc(4, "Agents: model turns per episode (each up to max_new_tokens tokens).", bounds=">= 1")
+    max_episode_tokens: int = doc(256, "Agents: response tokens per episode, actions and tool outputs together; one "
+                                       "tool output is cut to max_episode_tokens / max_turns.", bounds=">= 1")
 
     def check(self, p: str) -> None:
         _require(self.temperature > 0, f"{p}.temperature",
@@ -192,6 +209,8 @@ class RolloutConfig:
                  "set rollout.task (e.g. countdown) or rollout.dataset to a jsonl file")
         _require(self.top_k != 0, f"{p}.top_k", "0 keeps no token", "use -1 (off) or a positive k")
         text_rules.check_rollout_text(self, p)
+        self._check_agent(p)
+        check_data_keys(self, p)
         _require(not (self.engine == "sglang" and self.engine_fp8 and self.engine_gpu in BLACKWELL), f"{p}.engine_fp8",
                  f"FP8 engines on {self.engine_gpu}: SGLang 0.5.23 re-quantises their block scales to UE8M0 (powers "
                  "of two, DeepGEMM's layout) at first load on Blackwell, and weight updates carry amax/448 scales",
@@ -201,6 +220,45 @@ class RolloutConfig:
                      f"{self.engine!r}", "clear rollout.engine_args or set rollout.engine = 'sglang'")
             resolve_import_path(ENGINE_ARGS_CHECK, f"{p}.engine_args")(self.engine_args)
         check_bounds(self, p)
+
+    def _check_agent(self, p: str) -> None:
+        _require(self.agent in AGENTS or ":" in self.agent, f"{p}.agent", f"{self.agent!r} is not an agent",
+                 f"use one of {', '.join(repr(a) for a in AGENTS)} or 'pkg.mod:Class'")
+        if ":" in self.agent:
+            text_rules.import_path(f"{p}.agent", self.agent)
+        text_rules.import_path(f"{p}.generate_fn", self.generate_fn)
+        _require(not (self.agent and self.generate_fn), f"{p}.generate_fn", "is set together with rollout.agent",
+                 "keep one: an agent runs its own turns, generate_fn replaces the whole rollout")
+        _require(self.max_episode_tokens >= self.max_turns, f"{p}.max_episode_tokens",
+                 f"{self.max_episode_tokens} leaves no token per turn for {self.max_turns} turns",
+                 "use at least rollout.max_turns tokens (e.g. 256)")
+
+
+# apply_chat_template arguments the prompt source sets itself (rollout/prompts.py)
+RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
+                            "enable_thinking")
+
+
+def check_data_keys(cfg, p: str) -> None:
+    """Dataset field names and chat-template options (rollout's; sft's keys through check())."""
+    for name in ("prompt_key", "dataset_split"):
+        _require(isinstance(getattr(cfg, name), str) and bool(getattr(cfg, name).strip()), f"{p}.{name}",
+                 "is empty", "name a field of the dataset rows (e.g. 'prompt')" if name == "prompt_key"
+                 else "use e.g. 'train'")
+        text_rules.one_line(f"{p}.{name}", getattr(cfg, name))
+    text_rules.one_line(f"{p}.label_key", cfg.label_key)
+    _require(cfg.label_key != cfg.prompt_key, f"{p}.label_key", f"is the prompt field {cfg.prompt_key!r} too",
+             "name the field with the answer (or '' for 'answer'/'label')")
+    kwargs = cfg.chat_template_kwargs
+    _require(isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs), f"{p}.chat_template_kwargs",
+             "is not a table of named values", "write e.g. chat_template_kwargs = {reasoning_effort = 'low'}")
+    taken = sorted(set(kwargs) & set(RESERVED_TEMPLATE_KWARGS))
+    _require(not taken, f"{p}.chat_template_kwargs", f"sets {', '.join(taken)}, which the prompt source sets",
+             "remove it (use rollout.enable_thinking for enable_thinking)")
+
+
+# rollout.agent's built-in names (the classes: sao_megatron/evaluation/agents.py AGENTS)
+AGENTS = ("", "python_tool", "code_repair")
 
 
 @dataclass
@@ -383,11 +441,24 @@ class EvalConfig:
     max_episode_tokens: int = doc(2048, "Agentic sets: response tokens per episode, actions and tool outputs "
                                         "together; one tool output is cut to max_episode_tokens / max_turns "
                                         "(at least one token per turn: >= max_turns).")
+    temperature: Optional[float] = doc(None, "Eval sampling temperature (None = rollout.temperature; 0 is not "
+                                             "allowed: pass@k needs k different samples).", bounds="> 0")
+    top_p: Optional[float] = doc(None, "Eval nucleus p (None = rollout.top_p).", bounds="(0, 1]")
+    max_new_tokens: Optional[int] = doc(None, "Eval response tokens per turn (None = rollout.max_new_tokens).",
+                                        bounds=">= 1")
+    agentic_evals: dict = doc({}, "Your own agentic benchmarks: {scheme = 'pkg.mod:Class'} (an AgenticEval with "
+                                  "from_source), then eval.datasets = ['scheme:ARG'] (docs/evaluation.md).")
 
     def check(self, p: str) -> None:
         _require(self.max_episode_tokens >= self.max_turns, f"{p}.max_episode_tokens",
                  f"{self.max_episode_tokens} leaves no token per turn for {self.max_turns} turns",
                  "use at least eval.max_turns tokens (e.g. 2048)")
+        for scheme, path in self.agentic_evals.items():
+            _require(isinstance(scheme, str) and scheme.isidentifier() and scheme != "task", f"{p}.agentic_evals",
+                     f"{scheme!r} is not a scheme name", "use a Python identifier other than 'task' as the key")
+            _require(isinstance(path, str) and ":" in path, f"{p}.agentic_evals", f"{scheme} = {path!r} is not "
+                     "an import path", "write it as 'package.module:Class'")
+            text_rules.import_path(f"{p}.agentic_evals", path)
         for source in self.datasets:
             _require(isinstance(source, str), f"{p}.datasets", f"{source!r} is not a string",
                      "list file paths or 'task:NAME' strings")
@@ -426,14 +497,20 @@ class SFTConfig:
     batch_size: int = doc(32, "Prompt/response pairs per SFT step.", bounds=">= 1")
     task: str = doc("", "Built-in task whose reference solutions to train on ('' = rollout.task).")
     dataset: str = doc("", "jsonl of {'prompt', 'response'} pairs (instead of a task's solutions).")
+    prompt_key: str = doc("prompt", "sft.dataset field holding the prompt (a string or chat messages).")
+    response_key: str = doc("response", "sft.dataset field holding the reference response.")
     output: str = doc("", "Directory of the SFT model (HF format); '' = <run_dir>/sft_model.")
 
     def check(self, p: str) -> None:
         _require(self.steps >= 0, f"{p}.steps", f"{self.steps} < 0", "use 0 (off) or more")
         _require(self.lr > 0, f"{p}.lr", f"{self.lr} <= 0", "use 1e-3 for the tiny model")
         _require(self.batch_size >= 1, f"{p}.batch_size", f"{self.batch_size} < 1", "use 1 or more")
-        for name in ("task", "dataset", "output"):
+        for name in ("task", "dataset", "output", "prompt_key", "response_key"):
             text_rules.one_line(f"{p}.{name}", getattr(self, name))
+        for name in ("prompt_key", "response_key"):
+            _require(bool(getattr(self, name).strip()), f"{p}.{name}", "is empty", "name a field of sft.dataset's rows")
+        _require(self.prompt_key != self.response_key, f"{p}.response_key", "is the prompt field too",
+                 "name the field with the reference response")
         check_bounds(self, p)
 
 
