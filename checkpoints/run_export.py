@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
 import torch
 
-from .hf_io import INDEX, SINGLE, copy_aux_files, save_hf_checkpoint
+from .hf_io import INDEX, SINGLE, save_hf_checkpoint
 from .manifest import read_manifest
 from .run_state import LATEST, PREFIX
 
@@ -53,6 +52,10 @@ class RunCheckpoint:
 
     def has(self, role: str) -> bool:
         return role in self.components
+
+    def source(self, role: str = "policy") -> dict:
+        """What an export of `role` from this checkpoint records in its marker."""
+        return {"checkpoint": str(self.step_dir), "step": self.step, "role": role}
 
     def hf_dir(self, role: str = "policy") -> Path:
         """Where exports of this checkpoint go by default: runs/NAME/hf/step_N (critic: step_N_critic)."""
@@ -118,19 +121,6 @@ def generation_config(config: dict) -> dict:
     """The generation_config.json transformers' save_pretrained would write: the special token ids."""
     keys = ("bos_token_id", "eos_token_id", "pad_token_id")
     return {**{k: config[k] for k in keys if config.get(k) is not None}, "transformers_version": "5"}
-
-
-def copy_tokenizer(src: str | os.PathLike, out: str | os.PathLike) -> None:
-    """Config and tokenizer files of `src` into `out` (an export's directory, before its weights)."""
-    Path(out).mkdir(parents=True, exist_ok=True)
-    copy_aux_files(src, out)
-
-
-def replace_dir(tmp: Path, out: Path) -> None:
-    """Put a finished export `tmp` at `out` (an existing `out` is replaced)."""
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
 
 
 __all__ = ["RunCheckpoint", "NotARunCheckpoint", "find_run_checkpoint", "is_hf_dir", "export_is_current",

@@ -65,7 +65,7 @@ def export_run_checkpoint(ckpt, out: Path, role: str = "policy", fp8: bool = Fal
         raise ValueError(f"{ckpt.step_dir} holds no {role} (it holds {', '.join(ckpt.components)})"
                          + ("; fix: the run had critic.enabled = false, export the policy" if role == "critic" else ""))
     recipe = export_recipe(ckpt)
-    source = {"checkpoint": str(ckpt.step_dir), "step": ckpt.step, "role": role}
+    source = ckpt.source(role)
     model = _load_model(ckpt, recipe, role)
     try:
         tensors = model.export_hf()

@@ -27,6 +27,7 @@ class Checkpoints:
         self.cfg, self.world_size, self.saves = recipe.checkpoint, world_size, saves
         self.checkpointer = RunCheckpointer(recipe.run_dir / "checkpoints", keep_last=self.cfg.keep_last,
                                             rank=rank, world_size=world_size)
+        self.hf_root, self.model_path = recipe.run_dir / "hf", recipe.model.path   # checkpoint.hf_every exports
 
         self.verified: Optional[dict] = None   # resolve_resume's verified top manifest (set by entry.run_rank)
 
@@ -35,6 +36,21 @@ class Checkpoints:
         due = final or (self.cfg.interval and step % self.cfg.interval == 0)
         if due and self.saves:
             self.checkpointer.save(step, parts)
+        if self.saves and self.cfg.hf_every and step % self.cfg.hf_every == 0:
+            self.export_hf(step, parts["policy"])
+
+    def export_hf(self, step: int, policy) -> None:
+        """The policy as an HF directory in <run_dir>/hf/step_N (checkpoint.hf_every). Collective: every
+        rank takes part in the gathers; rank 0 writes, with the starting model's config and tokenizer."""
+        from checkpoints.run_export import write_hf_export
+
+        tensors = policy.export_hf()
+        if self.checkpointer.rank != 0:
+            for _ in tensors:
+                pass
+            return
+        source = {"run": str(self.hf_root.parent), "step": step, "role": "policy", "from": "training"}
+        write_hf_export(self.hf_root / f"step_{step}", tensors, self.model_path, source)
 
     def resume(self, parts: dict) -> Optional[Path]:
         """Load the checkpoint checkpoint.resume names (auto: the latest, if any) into `parts`. A

@@ -26,6 +26,19 @@ def _recipe(model_dir: str, run_dir: Path):
     return recipe
 
 
+def _hf_every(recipe, model) -> None:
+    """checkpoint.hf_every = 2: the trainer's save hook exports at step 2, not at step 3."""
+    import asyncio
+    import dataclasses
+
+    from sao_megatron.trainer.checkpointing import Checkpoints
+
+    cfg = dataclasses.replace(recipe.checkpoint, hf_every=2, save_on_signal=False)
+    hook = Checkpoints(dataclasses.replace(recipe, checkpoint=cfg), rank=0, world_size=1, saves=True)
+    for step in (2, 3):
+        asyncio.run(hook.maybe_save(step, False, {"policy": model}))
+
+
 def _run(model_dir: str, run_dir: str) -> dict:
     """Save run checkpoints at steps 0 and 1 of the tiny policy; export both through `sao export`."""
     from safetensors.torch import load_file
@@ -45,6 +58,7 @@ def _run(model_dir: str, run_dir: str) -> dict:
     model.train_step(batches, lc.policy_gradient_loss)
     checkpoints.save(1, {"policy": model})
     trained = {k: v.clone() for k, v in model.export_hf()}
+    _hf_every(recipe, model)
     logp = [lp for lp, _ in model.compute_logprobs(batches)]
     teardown_model_parallel()
     codes = [main(["export", f"{run_dir}/checkpoints/step_00000000", f"{run_dir}/export0"]),
@@ -91,6 +105,9 @@ def test_export_after_a_step_is_the_trainers_model(exported, tiny_model_dir):
     assert sorted(export) == sorted(out["trained"])
     assert all(torch.equal(export[k], out["trained"][k]) for k in export)
     assert not all(torch.equal(export[k], v) for k, v in _tensors(tiny_model_dir).items())   # the step moved it
+    assert not (run_dir / "hf" / "step_3").exists()   # checkpoint.hf_every = 2 during the run
+    during = _tensors(run_dir / "hf" / "step_2")
+    assert sorted(during) == sorted(export) and all(torch.equal(during[k], export[k]) for k in export)
     marker = json.loads((run_dir / "export1" / "sao_export.json").read_text())
     assert marker["step"] == 1 and marker["role"] == "policy"
     hf = AutoModelForCausalLM.from_pretrained(run_dir / "export1").eval()
@@ -107,3 +124,34 @@ def test_export_refuses_what_is_not_a_run_checkpoint(tmp_path, tiny_model_dir, c
     assert main(["export", str(tiny_model_dir), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "not a run checkpoint" in err
+
+
+def _sao_eval(run_dir: Path, checkpoint: str, out: Path) -> dict:
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "sao_megatron.cli.main", "eval", str(run_dir / "resolved_recipe.toml"),
+           "eval.datasets=['task:arithmetic']", "eval.k=2", "eval.max_problems=4", "rollout.max_new_tokens=4",
+           "--checkpoint", checkpoint, "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_eval_scores_a_run_checkpoint_as_its_export(exported, tmp_path):
+    run_dir, _ = exported
+    from_checkpoint = _sao_eval(run_dir, f"{run_dir}/checkpoints/latest", tmp_path / "a.json")
+    assert json.loads((run_dir / "hf" / "step_1" / "sao_export.json").read_text())["step"] == 1   # served this
+    from_export = _sao_eval(run_dir, str(run_dir / "export1"), tmp_path / "b.json")
+    assert from_checkpoint["eval/arithmetic/problems"] == 4
+    assert from_checkpoint == from_export
+
+
+def test_eval_refuses_a_checkpoint_that_is_neither(tmp_path, capsys):
+    from sao_megatron.cli.main import main
+
+    (tmp_path / "r.toml").write_text("[eval]\ndatasets = ['task:arithmetic']\n")
+    assert main(["eval", str(tmp_path / "r.toml"), "--checkpoint", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "not a run checkpoint" in err and "HF model directory" in err

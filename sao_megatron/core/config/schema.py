@@ -402,6 +402,8 @@ class CheckpointConfig:
     format: Literal["distributed", "per_rank"] = doc(
         "distributed", "Policy/critic state: Megatron distributed checkpoint (resume under another layout) "
         "or one torch file per rank (resume under the same layout only).")
+    hf_every: int = doc(0, "Also write the policy as an HF model directory into <run_dir>/hf/step_N every N steps "
+                           "(0 = never; `sao export` makes one from any checkpoint).", bounds=">= 0")
 
     def check(self, p: str) -> None:
         _require(self.keep_last >= 1, f"{p}.keep_last", f"{self.keep_last} < 1", "keep at least 1")
