@@ -192,7 +192,7 @@ class RolloutConfig:
                                "every sample ('' = the driver's; not with rollout.agent; docs/rollout.md, Agents).")
     max_turns: int = doc(4, "Agents: model turns per episode (each up to max_new_tokens tokens).", bounds=">= 1")
     max_episode_tokens: int = doc(256, "Agents: response tokens per episode, actions and tool outputs together; one "
-                                       "tool output is cut to max_episode_tokens / max_turns.", bounds=">= 1")
+                                       "tool output is cut to max_episode_tokens / max_turns (at least max_turns).")
 
     def check(self, p: str) -> None:
         _require(self.temperature > 0, f"{p}.temperature",
