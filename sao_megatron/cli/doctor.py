@@ -15,6 +15,14 @@ from pathlib import Path
 TOLERANCE = {"logp": 2e-6, "loss": 1e-6, "grad_norm_rel": 1e-5}
 
 
+# What Megatron-Core's import-time warnings mean (sao train hides them: sao_megatron/metrics/console.py).
+MISSING_KERNELS_NOTE = (
+    "note: without Transformer Engine (and Apex) Megatron-Core warns 'Transformer Engine and Apex are not installed. "
+    "Falling back to ...' once per module: it then runs its local PyTorch layers, norms, optimizer and grad-clip "
+    "kernels. That is the CPU path and is numerically fine; on GPUs it is slower (no fused kernels, no FP8), so "
+    "install transformer-engine there. `sao train` hides these warnings.")
+
+
 def register(sub) -> None:
     parser = sub.add_parser("doctor", help="Check the environment and parallel layouts against a single rank")
     parser.add_argument("--world-size", type=int, default=2, choices=[1, 2, 4],
@@ -59,8 +67,11 @@ def within(delta: dict, grad_scale: float) -> bool:
 
 
 def run(args) -> int:
-    for key, value in environment().items():
+    info = environment()
+    for key, value in info.items():
         print(f"{key:>20}: {value}")
+    if info["transformer_engine"].startswith("missing"):
+        print(MISSING_KERNELS_NOTE)
     if args.world_size == 1:
         return 0
     from parallel.layout_check import check_fit, layouts_for_world

@@ -11,7 +11,6 @@ import abc
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -90,58 +89,6 @@ class WandbSink(MetricSink):
         self._run.finish()
 
 
-class ConsoleSink(MetricSink):
-    """A one-line progress bar with the key numbers, redrawn each step (plain lines when not a TTY)."""
-
-    KEYS = [("train/sft_loss", "sft_loss", "{:.3f}"), ("rollout/raw_reward", "reward", "{:.3f}"),
-            ("rollout/accuracy", "acc", "{:.3f}"), ("critic/vf_loss", "vf_loss", "{:.4f}"),
-            ("critic/value0_return_corr", "v0~R", "{:+.2f}"), ("train/pg_clipfrac", "clip", "{:.3f}"),
-            ("rollout/staleness_mean", "stale", "{:.2f}"), ("perf/step_time_s", "s/step", "{:.2f}")]
-    SUMMARY = ("rollout/accuracy", "rollout/raw_reward")   # first-10 vs last-10 means, printed at close
-    WINDOW = 10
-
-    def __init__(self, total_steps: int, stream=None):
-        self.total = max(total_steps, 1)
-        self.stream = stream or sys.stderr
-        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.history: dict[str, list[float]] = {key: [] for key in self.SUMMARY}
-
-    def log(self, metrics, step):
-        for key in self.SUMMARY:
-            value = _to_float(metrics.get(key))
-            if value is not None:
-                self.history[key].append(value)
-        done = min(step, self.total)
-        width = 24
-        filled = int(width * done / self.total)
-        parts = [f"[{'#' * filled}{'.' * (width - filled)}] {step}/{self.total}"]
-        for key, label, fmt in self.KEYS:
-            value = _to_float(metrics.get(key))
-            if value is not None:
-                parts.append(f"{label} {fmt.format(value)}")
-        line = "  ".join(parts)
-        self.stream.write(("\r" + line) if self.tty else (line + "\n"))
-        self.stream.flush()
-
-    def close(self):
-        if self.tty:
-            self.stream.write("\n")
-        for line in self.summary_lines():
-            self.stream.write(line + "\n")
-
-    def summary_lines(self) -> list[str]:
-        """'accuracy: first 10 steps 0.131 -> last 10 steps 0.512 (+38.1 points)' per summary metric."""
-        lines = []
-        for key in self.SUMMARY:
-            values, n = self.history[key], self.WINDOW
-            if len(values) < 2 * n:
-                continue
-            first, last = sum(values[:n]) / n, sum(values[-n:]) / n
-            lines.append(f"{key.split('/')[-1]}: first {n} steps {first:.3f} -> last {n} steps {last:.3f} "
-                         f"({100 * (last - first):+.1f} points)")
-        return lines
-
-
 class MultiSink(MetricSink):
     def __init__(self, sinks: list[MetricSink]):
         self.sinks = sinks
@@ -175,3 +122,7 @@ def build_metric_sink(logging_cfg, run_name: str, run_dir: Path, total_steps: in
     if logging_cfg.console:
         sinks.append(ConsoleSink(total_steps))
     return MultiSink(sinks)
+
+
+# The console sink (rich on a terminal, plain lines elsewhere) builds on MetricSink above.
+from .console import ConsoleSink  # noqa: E402

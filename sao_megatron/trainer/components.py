@@ -49,10 +49,15 @@ class Components:
 async def build_components(recipe: Recipe, rank: int = 0, world_size: int = 1) -> AsyncIterator[Components]:
     """Build every component; on the way out (or when a later one fails to build) stop what was built:
     the sample source, then the engines, then the sink."""
+    from sao_megatron.metrics.console import StartupPhases, quiet_missing_kernel_warnings
+
     _seed_everything(recipe.run.seed + rank)
+    quiet_missing_kernel_warnings()   # before Megatron is first imported; `sao doctor` explains them
+    phases = StartupPhases(enabled=rank == 0 and recipe.logging.console)
     debug = recipe.run.debug
     async with contextlib.AsyncExitStack() as stack:
-        policy, critic, reference = _build_models(recipe, trains=debug != "rollout-only")
+        with phases.phase("building models"):
+            policy, critic, reference = _build_models(recipe, trains=debug != "rollout-only")
         tokenizer = sink = samples = restarts = None
         engines = []
         if rank == 0:
@@ -65,7 +70,8 @@ async def build_components(recipe: Recipe, rank: int = 0, world_size: int = 1) -
 
                 samples = SavedRollouts(recipe.run.debug_dir)
             else:
-                engines, samples, restarts = await _build_rollout(recipe, tokenizer, stack)
+                with phases.phase("starting engines"):
+                    engines, samples, restarts = await _build_rollout(recipe, tokenizer, stack)
         driver = samples
         if debug == "rollout-only":
             from rollout.dump import DumpingSource

@@ -54,6 +54,7 @@ class Trainer:
         self.agreement = ErrorAgreement(parts.rank, parts.world_size, recipe.run_dir)
         self.clock = StepClock()     # this step's seconds per phase (speed.py)
         self.speed = SpeedMeter(getattr(parts.policy, "hf_config", None), parts.world_size)
+        self.first_batch = parts.is_driver and recipe.logging.console   # announce the wait for it, once
 
     async def on_model_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._model_thread, fn, *args)
@@ -200,6 +201,12 @@ class Trainer:
 
     async def collect(self) -> list[Sample]:
         """Rank 0 gets finished samples from its sample source; the other ranks receive them."""
+        if self.first_batch:
+            from sao_megatron.metrics.console import StartupPhases
+
+            self.first_batch = False
+            with StartupPhases().phase("waiting for the first batch"):
+                return await self.collect()
         samples, self.where = None, "collecting samples"
         if self.parts.samples is not None:
             try:
