@@ -112,3 +112,26 @@ def test_an_unimportable_generate_fn_is_refused_at_the_file_checks():
     with pytest.raises(ConfigError, match="^rollout.generate_fn"):
         load_recipe("recipes/tiny_agent_cpu.toml",
                     SMALL + ["rollout.agent=", "rollout.generate_fn=no_such_module_here:fn"], check_files=True)
+
+
+FIXED = "def add(a, b):\n    return a + b\n"
+REPAIR_ROW = {"id": "calc-add", "issue": "add(2, 3) returns -1", "files": {"calc.py": FIXED.replace("+", "-")},
+              "tests": {"test_calc.py": "from calc import add\nassert add(2, 3) == 5\n"}}
+
+
+@pytest.mark.parametrize("fix,reward", [(True, 1.0), (False, 0.0)])
+def test_code_repair_agent_trains_on_rows_and_is_scored_by_the_hidden_tests(tmp_path, fix, reward):
+    data = tmp_path / "repair.jsonl"
+    data.write_text(json.dumps(REPAIR_ROW) + "\n")
+    recipe = load_recipe("recipes/tiny_agent_cpu.toml", SMALL + [
+        "rollout.agent=code_repair", f"rollout.dataset={data}", "rollout.prompt_key=issue", "rollout.task=",
+        "rollout.max_new_tokens=128", "rollout.max_episode_tokens=400", "model.max_seq_len=512",
+        "rollout.reward_timeout_s=60"], check_files=False)
+    first = call("write_file", path="calc.py", content=FIXED) if fix else call("read_file", path="calc.py")
+    _, batch, metrics = asyncio.run(one_batch(recipe, episode([first, call("submit", answer="")]), n=2))
+    assert metrics["rollout/turns"] == 2.0
+    for s in batch:
+        s.check()
+        context = TOK.decode([t for t, m in zip(s.response_ids, s.loss_mask) if m == 0])
+        assert context.startswith("Files: calc.py")                # the episode opens with the file list
+        assert s.reward == reward and s.metadata["files"]["calc.py"] != FIXED   # the row itself is untouched

@@ -112,3 +112,16 @@ def test_bad_data_values_are_one_line_errors_naming_the_field(override, field):
 def test_an_unimportable_registered_eval_is_refused_at_the_file_checks():
     with pytest.raises(ConfigError, match="^eval.agentic_evals"):
         load_recipe(RECIPE, ["eval.agentic_evals={own = 'no_such_module_here:Eval'}"], check_files=True)
+
+
+def test_sft_keys_name_the_prompt_and_response_fields(tmp_path):
+    import dataclasses
+
+    from sao_megatron.trainer.sft import next_pair
+
+    data = write_jsonl(tmp_path / "sft.jsonl", [{"q": "1+1=", "a": "2"}])
+    recipe = load_recipe(RECIPE, [f"sft.dataset={data}", "sft.prompt_key=q", "sft.response_key=a"], check_files=False)
+    tok = build_tokenizer()
+    cfg = dataclasses.replace(recipe.rollout, dataset=data, prompt_key="q", label_key="a")   # as _sft_source
+    prompt_ids, response = next_pair(build_prompt_source(cfg, tok, seed=0), tok, recipe)
+    assert "1+1=" in tok.decode(prompt_ids) and response == tok.encode("2", add_special_tokens=False) + [tok.eos_token_id]
