@@ -41,6 +41,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from safetensors import SafetensorError
+
     from checkpoints.layout import ShardLayout
     from checkpoints.mcore_io import mcore_dir_to_hf, save_mcore_dir
 
@@ -57,15 +59,21 @@ def run(args) -> int:
             out = write_block_fp8_checkpoint(args.hf_dir, args.out_dir, tuple(args.ignore), args.max_shard_mb)
         else:
             out = mcore_dir_to_hf(args.mcore_dir, args.out_dir, max_shard_mb=args.max_shard_mb)
-    except (ValueError, KeyError, FileNotFoundError, RuntimeError) as err:
+    except (ValueError, KeyError, OSError, RuntimeError) as err:
         print(f"sao convert {args.direction}: {err}", file=sys.stderr)
+        return 2
+    except SafetensorError as err:   # a corrupt file, or a header whose offsets pass the file's end
+        source = getattr(args, "hf_dir", None) or args.mcore_dir
+        print(f"sao convert {args.direction}: {source} holds a safetensors file that does not read ({err}); fix: "
+              "copy or export the checkpoint again", file=sys.stderr)
         return 2
     print(f"wrote {out}")
     return 0
 
 
 def check_arguments(args) -> None:
-    """Sizes and limits before any file is read or written (a --tp 0 used to divide by zero)."""
+    """Sizes, limits and paths before any file is read or written (a --tp 0 used to divide by zero)."""
+    check_output_apart_from_input(getattr(args, "hf_dir", None) or args.mcore_dir, args.out_dir)
     if args.direction == "hf-to-mcore":
         for flag in ("tp", "ep", "pp", "vpp"):
             value = getattr(args, flag)
@@ -76,6 +84,16 @@ def check_arguments(args) -> None:
                 raise ValueError(f"--{flag} {value} is negative; fix: pass 0 (the default rule) or more")
     elif not 0 < args.max_shard_mb < float("inf"):
         raise ValueError(f"--max-shard-mb {args.max_shard_mb}: fix: pass a positive size in MiB (e.g. 4096)")
+
+
+def check_output_apart_from_input(source: str, out: str) -> None:
+    """An output inside its input (`sao convert hf-to-mcore M M`) writes shards among the weights it reads,
+    and an input inside its output is overwritten by the conversion: both are refused."""
+    from pathlib import Path
+
+    src, dst = Path(source).resolve(), Path(out).resolve()
+    if dst == src or src in dst.parents or dst in src.parents:
+        raise ValueError(f"output {out} and input {source} overlap; fix: write to a new directory outside the input")
 
 
 def check_config_matches_weights(hf_dir: str, arch: str = "") -> None:

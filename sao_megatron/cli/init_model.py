@@ -23,6 +23,12 @@ def run(args) -> int:
         known = ", ".join(p for a, p in PRESETS if a == args.arch)
         print(f"sao init-model: --preset {args.preset!r} unknown for {args.arch}; fix: use one of {known}", file=sys.stderr)
         return 2
-    out = init_model(args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed, dtype=args.dtype)
+    try:
+        out = init_model(args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed, dtype=args.dtype)
+    except OSError as err:   # read-only, not a directory, no permission, full
+        where = f" ({err.filename})" if err.filename and str(err.filename) != args.out_dir else ""
+        print(f"sao init-model: cannot write {args.out_dir}: {err.strerror or err}{where}; fix: choose a writable "
+              "directory", file=sys.stderr)
+        return 2
     print(f"wrote {args.arch}/{args.preset} model and tokenizer to {out}")
     return 0

@@ -19,6 +19,10 @@ from sao_megatron.core.config import ConfigError, Recipe
 
 def train_from_recipe(recipe: Recipe) -> int:
     """Entry point of `sao train`. Launches ranks itself when the recipe asks for more than one."""
+    if recipe.sft.steps > 0:
+        from .sft import check_sft_data
+
+        check_sft_data(recipe)   # a recipe refused for its SFT data creates nothing, run dir included
     lock_if_first_rank(recipe)   # before anything is written: a second run into a live run dir touches nothing
     run_dir = prepare_run_dir(recipe)
     from sao_megatron.core.processes import reap_descendants_at_exit

@@ -106,6 +106,9 @@ class Recipe:
         if self.rollout.dataset and not Path(self.rollout.dataset).exists():
             raise ConfigError("rollout.dataset", f"{self.rollout.dataset} does not exist",
                               "point it at a jsonl/parquet file or an HF datasets folder, or clear it to use rollout.task")
+        from .dataset_probe import probe_recipe_datasets
+
+        probe_recipe_datasets(self)   # empty, binary, a folder with no data: one line now, not after the engines start
         ref = self.algorithm.ref_model_path
         if self.algorithm.kl_coef > 0 and ref and not (Path(ref) / "config.json").is_file():
             raise ConfigError("algorithm.ref_model_path", f"{ref} has no config.json",
@@ -204,10 +207,14 @@ def parse_override(item: str) -> tuple[str, Any]:
         raise ConfigError(item, "override has no '='", "write overrides as section.key=value")
     key, value = text.split("=", 1)
     try:
-        parsed = tomllib.loads(f"v = {value}")["v"]
+        doc = tomllib.loads(f"v = {value}")
     except tomllib.TOMLDecodeError:
-        parsed = value
-    return key.strip(), parsed
+        doc = {"v": value}
+    if len(doc) > 1 or ("\n" in value and isinstance(doc["v"], str) and doc["v"] == value):
+        # 'k=1\n[run]\nname="x"' parses as v plus more TOML, which used to be dropped without a word
+        raise ConfigError(key.strip(), "the override's value runs past its line (a newline, then more text)",
+                          "give one value per override; quote a multi-line string as TOML ('''...''')")
+    return key.strip(), doc["v"]
 
 
 def _set_dotted(raw: dict, key: str, value: Any) -> None:
