@@ -186,6 +186,19 @@ class SGLangEngine(Generator, WeightReceiver):
             raise self._fail(f"/model_info reply has no 'weight_version': {str(info)[:300]}")
         return info
 
+    async def load(self) -> dict:
+        """The engine's own load numbers from SGLang's /v1/loads (entrypoints/v1_loads.py:96; fields of
+        managers/load_snapshot.py:196 LoadSnapshot), over its DP ranks: running and waiting requests summed,
+        KV usage (token_usage) of the fullest rank, generation throughput (tokens/s) summed."""
+        data = await self._ok("GET", "/v1/loads?include=core", None, self.control_timeout_s)
+        loads = data.get("loads") if isinstance(data, dict) else None
+        if not isinstance(loads, list) or not loads:
+            raise self._fail(f"/v1/loads reply has no 'loads': {str(data)[:300]}")
+        return {"running_requests": sum(float(r.get("num_running_reqs", 0)) for r in loads),
+                "queued_requests": sum(float(r.get("num_waiting_reqs", 0)) for r in loads),
+                "kv_usage": max(float(r.get("token_usage", 0.0)) for r in loads),
+                "gen_throughput": sum(float(r.get("gen_throughput", 0.0)) for r in loads)}
+
     async def weight_version(self) -> int:
         try:
             return parse_version((await self.model_info())["weight_version"])

@@ -71,6 +71,7 @@ def build_app(state: ServerState) -> web.Application:
     r.add_get("/health_generate", lambda q: health(state, q))
     r.add_get("/model_info", lambda q: model_info(state, q))
     r.add_get("/sao_server_info", lambda q: sao_server_info(state, q))
+    r.add_get("/v1/loads", lambda q: loads(state, q))
     for method in ("GET", "POST"):
         r.add_route(method, "/flush_cache", lambda q: flush_cache(state, q))
         r.add_route(method, "/weights_checker", lambda q: weights_checker(state, q, _json))
@@ -105,6 +106,16 @@ async def sao_server_info(state: ServerState, request: web.Request) -> web.Respo
         "scheduler": {**state.scheduler.stats(), "paused": state.gate.paused,
                       "scheduler_paused": state.scheduler.paused, "held_by_pause": state.gate.held},
     })
+
+
+async def loads(state: ServerState, request: web.Request) -> web.Response:
+    """SGLang 0.5.23's /v1/loads (entrypoints/v1_loads.py:96), its core fields that this server knows
+    (managers/load_snapshot.py:196): running and waiting requests, and as token_usage the share of KV slots
+    in use (one slot per running request here); no generation throughput is measured (0)."""
+    stats, slots = state.scheduler.stats(), max(int(state.runner.max_batch), 1)
+    return web.json_response({"loads": [{
+        "dp_rank": 0, "num_running_reqs": stats["running"], "num_waiting_reqs": stats["waiting"],
+        "max_running_requests": slots, "token_usage": stats["running"] / slots, "gen_throughput": 0.0}]})
 
 
 async def flush_cache(state: ServerState, request: web.Request) -> web.Response:

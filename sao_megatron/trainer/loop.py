@@ -34,7 +34,7 @@ from .agreement import ErrorAgreement, RankFailed
 from .batching import advantage_batch, gather_responses, pack_samples, with_advantages, with_counts
 from .checkpointing import StepStart, checkpoint_parts, report_resume, step_start_parts
 from .components import Components
-from .speed import SpeedMeter, StepClock
+from .speed import SpeedMeter, StepClock, engine_load_metrics
 from .state import TrainerState, total_steps, warmup_steps
 from .stopping import CollectionStopped, Stop, collect_until_stopped, share_batch
 
@@ -163,6 +163,7 @@ class Trainer:
     async def report(self, samples: list[Sample], version: int, stats: dict) -> None:
         """Rollout metrics, evaluation and the log line of a finished step (rank 0's sink and engines)."""
         stats = steps.rollout_metrics(samples, version) | stats
+        stats |= await engine_load_metrics(self.parts.engines)
         stats |= await self.maybe_evaluate()
         self.log(stats, self.state.step)
 

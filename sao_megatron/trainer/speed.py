@@ -115,3 +115,20 @@ def device_peak_tflops() -> float:
 
     name = torch.cuda.get_device_name().lower()
     return next((spec.bf16_tflops for key, spec in GPUS.items() if key in name), 0.0)
+
+
+async def engine_load_metrics(engines: list, timeout_s: float = 5.0) -> dict:
+    """engine/* from the engines' own load numbers (SGLangEngine.load: SGLang's /v1/loads), over the engines
+    that answer within `timeout_s`: running and queued requests and generation tokens/s summed, the fullest
+    engine's KV usage. Engines without such numbers (scripted ones) or that fail to answer are left out."""
+    import asyncio
+
+    clients = [engine for engine in engines if hasattr(engine, "load")]
+    results = await asyncio.gather(*(asyncio.wait_for(e.load(), timeout_s) for e in clients), return_exceptions=True)
+    loads = [r for r in results if isinstance(r, dict)]
+    if not loads:
+        return {}
+    return {"engine/running_requests": sum(r["running_requests"] for r in loads),
+            "engine/queued_requests": sum(r["queued_requests"] for r in loads),
+            "engine/kv_usage": max(r["kv_usage"] for r in loads),
+            "engine/gen_throughput_tok_s": sum(r["gen_throughput"] for r in loads)}

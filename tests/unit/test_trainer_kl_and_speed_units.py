@@ -115,3 +115,40 @@ def test_sao_plan_counts_the_kl_reference_parked_in_host_memory(tiny_model_dir, 
     resident = sum(m.total - m.activations for m in (with_ref.policy, with_ref.critic))
     ref_pass = resident + weights + with_ref.policy.activations
     assert with_ref.trainer_total == pytest.approx(max(without.trainer_total, ref_pass + RUNTIME_RESERVE_GIB * GIB))
+
+
+def test_engine_load_reads_sglang_v1_loads_and_the_reference_server_answers_it(monkeypatch):
+    import asyncio
+    import json
+    from types import SimpleNamespace
+
+    from rollout.reference_server.app import loads
+    from rollout.sglang_client import SGLangEngine
+    from sao_megatron.trainer.speed import engine_load_metrics
+
+    # SGLang 0.5.23's reply shape (entrypoints/v1_loads.py:136), two DP ranks
+    reply = {"version": "0.5.23", "loads": [
+        {"dp_rank": 0, "num_running_reqs": 3, "num_waiting_reqs": 1, "token_usage": 0.25, "gen_throughput": 100.0},
+        {"dp_rank": 1, "num_running_reqs": 2, "num_waiting_reqs": 0, "token_usage": 0.5, "gen_throughput": 50.0}]}
+    engine = SGLangEngine("http://sglang:30000")
+
+    async def canned(method, path, body, timeout_s):
+        assert (method, path) == ("GET", "/v1/loads?include=core")
+        return reply
+
+    monkeypatch.setattr(engine, "_ok", canned)
+
+    class Silent:
+        async def load(self):
+            raise ConnectionError("down")
+
+    metrics = asyncio.run(engine_load_metrics([engine, Silent(), object()]))
+    assert metrics == {"engine/running_requests": 5.0, "engine/queued_requests": 1.0, "engine/kv_usage": 0.5,
+                       "engine/gen_throughput_tok_s": 150.0}
+    assert asyncio.run(engine_load_metrics([object()])) == {}
+
+    # the reference server answers the same route with SGLang's field names (a KV slot per running request)
+    state = SimpleNamespace(scheduler=SimpleNamespace(stats=lambda: {"running": 2, "waiting": 5}),
+                            runner=SimpleNamespace(max_batch=8))
+    answer = json.loads(asyncio.run(loads(state, None)).text)["loads"][0]
+    assert answer["num_running_reqs"] == 2 and answer["num_waiting_reqs"] == 5 and answer["token_usage"] == 0.25
