@@ -152,3 +152,16 @@ def test_engine_load_reads_sglang_v1_loads_and_the_reference_server_answers_it(m
                             runner=SimpleNamespace(max_batch=8))
     answer = json.loads(asyncio.run(loads(state, None)).text)["loads"][0]
     assert answer["num_running_reqs"] == 2 and answer["num_waiting_reqs"] == 5 and answer["token_usage"] == 0.25
+
+
+def test_sglang_0_5_23_serves_v1_loads_with_the_fields_the_client_reads():
+    import ast
+
+    from sglang_wheel import load_sources
+
+    sources = load_sources()
+    assert '@router.get("/v1/loads")' in sources["sglang/srt/entrypoints/v1_loads.py"]
+    tree = ast.parse(sources["sglang/srt/managers/load_snapshot.py"])
+    snapshot = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LoadSnapshot")
+    fields = {s.target.id for s in snapshot.body if isinstance(s, ast.AnnAssign)}
+    assert {"num_running_reqs", "num_waiting_reqs", "token_usage", "gen_throughput"} <= fields
