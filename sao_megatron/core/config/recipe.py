@@ -96,6 +96,9 @@ class Recipe:
                               "set model.transformer_impl = 'auto' or 'transformer_engine', or model.fp8 = 'none'")
 
     def _check_files(self) -> None:
+        from .path_rules import check_path_fields
+
+        check_path_fields(self)   # a NUL byte or an over-long name: one line, not an OSError from a stat
         model_dir = Path(self.model.path)
         if not (model_dir / "config.json").is_file() and not (self.model.init_preset or self.model.shape_preset):
             raise ConfigError("model.path", f"{model_dir} has no config.json",
