@@ -16,7 +16,7 @@ def _recipe_archs() -> tuple:
 def test_the_recipe_loader_accepts_every_registered_family_and_names_the_field_otherwise():
     for name in ARCHS:
         assert arch.load_recipe(None, [f"model.arch={name}", "model.path=nowhere"], check_files=False).model.arch == name
-    with pytest.raises(ConfigError, match=r"^model.arch: 'llama' is not a registered architecture; fix: use one of glm4_moe"):
+    with pytest.raises(ConfigError, match=r"^model.arch: 'llama' is not a registered architecture; fix: use one of deepseek_v3, glm4_moe"):
         arch.load_recipe(None, ["model.arch=llama", "model.path=nowhere"], check_files=False)
 
 
@@ -103,7 +103,7 @@ def test_derived_tables_are_the_registry():
 
 
 def test_unknown_family_name_lists_the_known_ones():
-    with pytest.raises(ValueError, match=r"'llama' is not registered; fix: use one of \['glm4_moe', 'glm5', 'qwen3_moe'\]"):
+    with pytest.raises(ValueError, match=r"'llama' is not registered; fix: use one of \['deepseek_v3', 'glm4_moe', 'glm5', 'qwen3_moe'\]"):
         arch.family("llama")
 
 

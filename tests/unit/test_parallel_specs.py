@@ -73,11 +73,18 @@ def test_fp8_on_cpu_is_one_line_error():
         fp8_config_kwargs("fp4")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
-def test_mla_on_local_spec_is_one_line_error():
-    cfg = specs.transformer_config(GLM5, ParallelDims())
-    with pytest.raises(specs.SpecError, match="needs the Transformer Engine layer spec"):
-        specs.layer_spec(cfg, "auto")
+def test_glm5_class_is_dsa_with_an_indexer_per_layer():
+    from parallel.model_shapes import get_shape
+
+    cfg = specs.transformer_config(get_shape("glm5-744b-a40b"), ParallelDims())
+    assert cfg.experimental_attention_variant == "dsa" and cfg.dsa_indexer_topk == 2048
+    assert (cfg.dsa_indexer_n_heads, cfg.dsa_indexer_head_dim) == (32, 128)
+    assert cfg.sao_indexer_types == ["full"] * 78
+
+
+def test_dsa_with_context_parallel_is_one_line_error():
+    with pytest.raises(specs.SpecError, match=r"parallel.cp = 2 with a DSA model .* fix: set parallel.cp = 1"):
+        specs.transformer_config(dict(GLM5, index_topk=2048, index_n_heads=32, index_head_dim=128), ParallelDims(cp=2))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU behaviour")
