@@ -279,6 +279,7 @@ class Trainer:
         critic = self.parts.critic
         if critic is None:
             return {}
+        await self.make_resident("critic")   # kl_in = reward brought the policy back since the critic's values
         loss_fn = steps.value_loss_fn(self.recipe.critic)
         stats = {}
         for _ in range(self.recipe.critic.updates_per_step):   # two-timescale: K critic updates

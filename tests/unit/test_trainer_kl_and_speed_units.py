@@ -2,6 +2,8 @@
 loop applies, the recipe errors of the KL and learning-rate fields, and the speed metrics' arithmetic."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -58,6 +60,14 @@ def test_a_missing_reference_model_is_a_recipe_error(tiny_model_dir, tmp_path):
         load_recipe(None, [f"model.path='{tiny_model_dir}'", f"run.output_dir='{tmp_path}'", "algorithm.kl_coef=0.01",
                            f"algorithm.ref_model_path='{tmp_path / 'nowhere'}'"])
     assert err.value.field == "algorithm.ref_model_path"
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "hidden_size": 2 * config["hidden_size"]}))
+    with pytest.raises(ConfigError, match="differs from model.path in hidden_size") as err:
+        load_recipe(None, [f"model.path='{tiny_model_dir}'", f"run.output_dir='{tmp_path}'", "algorithm.kl_coef=0.01",
+                           f"algorithm.ref_model_path='{other}'"])
+    assert err.value.field == "algorithm.ref_model_path"
 
 
 def _batch(lengths: list[int], width: int) -> TrainBatch:
@@ -82,7 +92,6 @@ def test_stale_drop_rate_is_per_step_from_the_drivers_cumulative_counters():
 
 
 def test_train_tflops_uses_the_planners_flop_model(tiny_model_dir):
-    import json
 
     from parallel.planner.timing import forward_flops_per_token
 
@@ -119,7 +128,6 @@ def test_sao_plan_counts_the_kl_reference_parked_in_host_memory(tiny_model_dir, 
 
 def test_engine_load_reads_sglang_v1_loads_and_the_reference_server_answers_it(monkeypatch):
     import asyncio
-    import json
     from types import SimpleNamespace
 
     from rollout.reference_server.app import loads

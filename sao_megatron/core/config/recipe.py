@@ -95,6 +95,20 @@ class Recipe:
             raise ConfigError("model.fp8", "FP8 needs Transformer Engine layers",
                               "set model.transformer_impl = 'auto' or 'transformer_engine', or model.fp8 = 'none'")
 
+    def _check_reference_model(self, model_dir: Path) -> None:
+        """The KL reference loads into a copy of the policy's model: same config.json shape."""
+        ref = Path(self.algorithm.ref_model_path)
+        fix = "point it at an HF model directory of the policy's architecture, or clear it to use the initial policy"
+        if not (ref / "config.json").is_file():
+            raise ConfigError("algorithm.ref_model_path", f"{ref} has no config.json", fix)
+        if not (model_dir / "config.json").is_file():
+            return
+        mine, theirs = (json.loads((d / "config.json").read_text()) for d in (model_dir, ref))
+        differ = [k for k in ("architectures", "hidden_size", "num_hidden_layers", "vocab_size", "num_experts",
+                              "n_routed_experts", "num_attention_heads") if mine.get(k) != theirs.get(k)]
+        if differ:
+            raise ConfigError("algorithm.ref_model_path", f"{ref} differs from model.path in {', '.join(differ)}", fix)
+
     def _check_files(self) -> None:
         from .path_rules import check_path_fields
 
@@ -112,11 +126,8 @@ class Recipe:
         from .dataset_probe import probe_recipe_datasets
 
         probe_recipe_datasets(self)   # empty, binary, a folder with no data: one line now, not after the engines start
-        ref = self.algorithm.ref_model_path
-        if self.algorithm.kl_coef > 0 and ref and not (Path(ref) / "config.json").is_file():
-            raise ConfigError("algorithm.ref_model_path", f"{ref} has no config.json",
-                              "point it at an HF model directory of the policy's architecture, or clear it to use "
-                              "the initial policy")
+        if self.algorithm.kl_coef > 0 and self.algorithm.ref_model_path:
+            self._check_reference_model(model_dir)
         _check_writable(Path(self.run.output_dir))
         check_installed(self)
 
