@@ -175,7 +175,9 @@ def _build_policy(recipe: Recipe):
     hf = {}
     for shard in sorted(Path(recipe.model.path).glob("*.safetensors")):
         hf.update(load_file(shard))
-    sft_recipe = dataclasses.replace(recipe, algorithm=dataclasses.replace(recipe.algorithm, lr=recipe.sft.lr))
+    # SFT runs sft.lr constant: the algorithm's lr schedule spans the RL run's steps, not SFT's
+    sft_recipe = dataclasses.replace(recipe, algorithm=dataclasses.replace(recipe.algorithm, lr=recipe.sft.lr,
+                                                                           lr_schedule="constant", lr_warmup_steps=0))
     policy = RLModel.build(sft_recipe, "policy")
     policy.load_hf_state_dict(hf)
     policy.temperature = 1.0

@@ -92,7 +92,6 @@ def test_stale_drop_rate_is_per_step_from_the_drivers_cumulative_counters():
 
 
 def test_train_tflops_uses_the_planners_flop_model(tiny_model_dir):
-
     from parallel.planner.timing import forward_flops_per_token
 
     cfg = json.loads((tiny_model_dir / "config.json").read_text())
