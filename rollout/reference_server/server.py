@@ -40,6 +40,7 @@ class ServeOptions:
     port_file: str = ""              # write the bound port here once listening (for port 0)
     parent_pid: int = 0              # exit when this process is gone (no orphaned servers)
     insecure: bool = False           # without an api key, serve the weight and control routes anyway
+    enable_return_indexer_topk: bool = False   # SGLang's flag: answer return_indexer_topk (DSA models)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,12 +73,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "<name>_scale_inv (a bf16 tensor for such a weight is refused naming it)")
     parser.add_argument("--weight-version", type=int, default=0, help="version of the weights loaded at start")
     parser.add_argument("--weight-sync-timeout-s", type=float, default=600.0,
-                        help="timeout of weight-group formation and of each broadcast receive")
+                        help="timeout of weight-group formation, of each broadcast receive and of reading the "
+                             "files of an /update_weights_from_disk")
     parser.add_argument("--seed", type=int, default=None,
                         help="base seed for requests that send no sampling_seed (default: random)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     parser.add_argument("--parent-pid", type=int, default=0, help="exit when this process exits (0 = never)")
     parser.add_argument("--port-file", default="", help="write the bound port to this file when listening")
+    parser.add_argument("--enable-return-indexer-topk", action="store_true",
+                        help="return each token's DSA indexer top-k (logical key positions) to requests that set "
+                             "return_indexer_topk, as SGLang's flag of that name")
 
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
@@ -86,7 +91,8 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
                         device=args.device, tp=args.tp, shard_writes=args.shard_writes, quantization=args.quantization,
                         weight_version=args.weight_version, weight_sync_timeout_s=args.weight_sync_timeout_s,
                         seed=args.seed, threads=args.threads, port_file=args.port_file,
-                        parent_pid=args.parent_pid, insecure=args.insecure)
+                        parent_pid=args.parent_pid, insecure=args.insecure,
+                        enable_return_indexer_topk=args.enable_return_indexer_topk)
 
 
 def check_options(opts: ServeOptions) -> None:
@@ -182,7 +188,8 @@ def build_state(opts: ServeOptions):
     tokenizer = _load_tokenizer(opts.model)
     eos = runner.config.eos_token_id
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-    scheduler = Scheduler(runner, eos_ids, weight_version=opts.weight_version, seed=opts.seed)
+    scheduler = Scheduler(runner, eos_ids, weight_version=opts.weight_version, seed=opts.seed,
+                          enable_return_indexer_topk=opts.enable_return_indexer_topk)
     state = ServerState(scheduler, tokenizer, opts.api_key, opts.weight_sync_timeout_s, tp=opts.tp,
                         insecure=opts.insecure)
     state.shard_writes = opts.shard_writes   # opt-in routes of shard_writes.py

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from pathlib import Path
+import threading
 from typing import Optional
 
 from aiohttp import web
@@ -31,7 +31,7 @@ from . import shard_writes
 from .protocol import BadRequest, parse_optional
 from .tp_ranks import digest
 from .weight_group import destroy_weight_update_group, init_weight_update_group, receive_tensors
-from .weights import UnknownWeightError, parse_dtype
+from .weights import UnknownWeightError, parse_dtype, read_safetensors
 
 SELECTORS = ("target", "draft", "all")
 NO_SESSION = "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
@@ -112,7 +112,10 @@ async def init_group(state, request: web.Request) -> web.Response:
     name = parse_optional(body, "group_name", str, "weight_update_group")
     backend = parse_optional(body, "backend", str, "nccl")
     tp = state.tp_ranks.tp
-    if not (0 <= rank and rank + tp <= world):
+    if rank < 1:   # the broadcast's source is rank 0 (weight_group.py): this server would send to itself
+        raise BadRequest(f"field 'rank_offset' is {rank}: rank 0 is the trainer's sender, so the server's ranks "
+                         "start at 1 (SGLang: rank_offset = 1 + the TP ranks of the engines before it)")
+    if rank + tp > world:
         raise BadRequest(f"rank_offset {rank} with --tp {tp} needs ranks {rank}..{rank + tp - 1} < world_size "
                          f"{world}; the trainer's world_size must count every TP rank of every engine")
     if backend == "nccl" and state.runner.device.type != "cuda":
@@ -203,6 +206,11 @@ def _receive_all(state, names, dtypes, shapes, group_name, load_format):
     if group is None:   # SGLang asserts this inside the receive (model_runner weight_updater.py:270)
         raise RuntimeError(f"Group {group_name} not in {list(state.groups)}. "
                            "Please call `init_weights_update_group` first.")
+    import torch.distributed as dist
+
+    if dist.get_rank(group) == 0:   # broadcast(src=0) returns at once on its source: torch.empty is all it holds
+        raise RuntimeError("this server is rank 0 of the group, the broadcast's source, so it would receive "
+                           "nothing; form the group with rank_offset >= 1. The old weights stay")
     flattened = load_format == "flattened_bucket"
     tensors, others = _on_every_rank(
         state, "receive", lambda i: (names, dtypes, shapes, group_name, flattened),
@@ -236,25 +244,45 @@ async def _load(state, tensors, version: Optional[int], flush: bool, success: st
 
 
 async def update_from_disk(state, request: web.Request) -> web.Response:
+    """Read the files first, off the event loop and the scheduler and outside the gate, under a
+    timeout: a hung file (a FIFO, a dead network mount) fails this call alone while generation and
+    /health go on (SGLang reads them in its scheduler, holding the update lock: everything waits).
+    Only the in-memory copy runs behind the gate, so a failed read leaves the old weights."""
     body = await read_json(request)
     path = required(body, "model_path", str)
     version, flush = _version_arg(body), parse_optional(body, "flush_cache", bool, True)
     load_format = parse_optional(body, "load_format", str) or state.load_format
+    busy = getattr(state, "disk_read", None)
+    if busy is not None:
+        return result(False, f"Failed to update weights: the read of {busy!r} has not finished (a hung file "
+                             "or mount?); fix it, or restart the server", num_paused_requests=0)
+    state.disk_read = path
+
+    def read_ended():
+        state.disk_read = None
+    try:
+        tensors = await _off_loop(lambda: read_safetensors(path), state.weight_sync_timeout_s, read_ended)
+    except ValueError as err:
+        return result(False, f"Failed to get weights iterator: {err}. The old weights stay.", num_paused_requests=0)
+    except asyncio.TimeoutError:
+        return result(False, f"Failed to update weights: reading {path!r} did not finish within "
+                             f"{state.weight_sync_timeout_s:g} s (--weight-sync-timeout-s; a hung file or mount?). "
+                             "The old weights stay.", num_paused_requests=0)
     await _abort_if_asked(state, body)
 
     async def update():
-        if not Path(path).is_dir():
-            return result(False, f"Failed to get weights iterator: model_path {path!r} is not a directory.",
-                          num_paused_requests=0)
-
         def load():
-            state.weights.load_from_disk(path)
+            staged = state.weights.prepare(tensors)   # --quantization fp8: FP8 pairs -> model dtype, or refused
+            for name, tensor in staged:                # all checks before any write
+                state.weights.check(name, tensor.dtype, list(tensor.shape))
+            for name, tensor in staged:
+                state.weights.load(name, tensor)
             if version is not None:
                 state.scheduler.version = version
             return not flush or state.scheduler.flush_cache()
         try:
             flushed = await on_scheduler(state, load)
-        except (UnknownWeightError, ValueError, FileNotFoundError) as err:
+        except (UnknownWeightError, ValueError) as err:
             return result(False, f"Failed to update weights: {str(err).strip(chr(34))}", num_paused_requests=0)
         if not flushed:
             return result(False, NOT_FLUSHED, num_paused_requests=0)
@@ -263,6 +291,30 @@ async def update_from_disk(state, request: web.Request) -> web.Response:
                                                         is not None else "")
         return result(True, done, num_paused_requests=0)
     return await state.gate.update(update, hold_pause_lock=False)
+
+
+async def _off_loop(fn, timeout_s: float, on_end):
+    """`fn()` in a daemon thread, its result within `timeout_s` (else asyncio.TimeoutError). A read
+    blocked in the kernel cannot be cancelled: the thread runs on, `on_end()` runs on the loop when it
+    ends, and being a daemon it never holds up the server's exit."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    done.add_done_callback(lambda f: f.cancelled() or f.exception())   # nobody awaits it after a timeout
+
+    def settle(value, err):
+        on_end()
+        if not done.done():
+            done.set_exception(err) if err is not None else done.set_result(value)
+
+    def run():
+        try:
+            value, err = fn(), None
+        except BaseException as exc:   # handed to the awaiting route, which names it
+            value, err = None, exc
+        with contextlib.suppress(RuntimeError):   # the loop is closed: the server is gone
+            loop.call_soon_threadsafe(settle, value, err)
+    threading.Thread(target=run, name="sao-disk-read", daemon=True).start()
+    return await asyncio.wait_for(asyncio.shield(done), timeout_s)
 
 
 async def update_weight_version(state, request: web.Request) -> web.Response:
@@ -286,7 +338,11 @@ async def get_weights_by_name(state, request: web.Request) -> web.Response:
     if request.method == "GET" and not body:
         body = dict(request.query)
         if "truncate_size" in body:
-            body["truncate_size"] = int(body["truncate_size"])
+            try:
+                body["truncate_size"] = int(body["truncate_size"])
+            except ValueError:
+                raise BadRequest(f"query parameter 'truncate_size' must be an integer, got "
+                                 f"{body['truncate_size'][:40]!r}") from None
     name = required(body, "name", str)
     truncate = parse_optional(body, "truncate_size", int, 100)
     try:

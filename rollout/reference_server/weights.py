@@ -72,19 +72,36 @@ class WeightMap:
 
     def load_from_disk(self, model_path: str | Path) -> int:
         """Load every tensor of the safetensors files under `model_path`; returns the count."""
-        from safetensors.torch import load_file
-
-        files = sorted(Path(model_path).glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors files in {model_path}")
-        staged = {}
-        for file in files:
-            for name, tensor in load_file(str(file)).items():
-                self.check(name, tensor.dtype, list(tensor.shape))   # all checks before any write
-                staged[name] = tensor
-        for name, tensor in staged.items():
+        staged = read_safetensors(model_path)
+        for name, tensor in staged:
+            self.check(name, tensor.dtype, list(tensor.shape))   # all checks before any write
+        for name, tensor in staged:
             self.load(name, tensor)
         return len(staged)
+
+
+def read_safetensors(model_path: str | Path) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of the *.safetensors files in `model_path`, read fully into memory (nothing is
+    written to a model here); ValueError naming the file for a missing directory, no files, or a file
+    that is truncated, corrupt or unreadable. Files are read with Python's I/O, which lets go of the
+    GIL while the kernel blocks; safetensors' own load_file opens the file holding it, so a file that
+    hangs on open (a FIFO, a dead mount) would freeze every thread of the server, event loop included."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    if not Path(model_path).is_dir():
+        raise ValueError(f"model_path {str(model_path)!r} is not a directory")
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {model_path}")
+    out = []
+    for file in files:
+        try:
+            with open(file, "rb") as fh:
+                out += load(fh.read()).items()
+        except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+            raise ValueError(f"{file.name}: not a readable safetensors file ({err})") from None
+    return out
 
 
 def parse_dtype(name: str) -> torch.dtype:
