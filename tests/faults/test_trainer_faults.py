@@ -480,13 +480,13 @@ def test_locally_started_engine_killed_mid_collection_is_restarted_and_nothing_i
 REPO = __import__("pathlib").Path(__file__).resolve().parents[2]
 
 
-def _sao_train(tmp, *overrides, env=None, after=()) -> subprocess.Popen:
+def _sao_train(tmp, *overrides, env=None, after=(), session=False) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "sao_megatron.cli.main", "train", str(REPO / "recipes" / "tiny_moe_cpu.toml"),
            f"run.output_dir='{tmp}'", "run.name='e2e'", f"model.path='{tmp / 'model'}'", "rollout.batch_size=4",
            "rollout.max_in_flight=4", "logging.wandb=false", "logging.plot=false", "logging.console=false",
            "critic.warmup_steps=0", *overrides, *after]
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, **(env or {})}, start_new_session=session)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -510,6 +510,29 @@ def test_sao_train_sigterm_during_collection_saves_and_exits_0(tmp_path, sig):
     assert (ckpt / "latest").read_text() == "step_00000000"
     driver = torch.load(ckpt / "step_00000000" / "driver.rank00000.pt", weights_only=False)
     assert driver["work"] and all(d["reward"] is None for d in driver["work"])   # in flight, kept for the resume
+
+
+def test_ctrl_c_at_the_terminal_of_a_two_rank_sao_train_saves_once_and_exits_0(tmp_path):
+    """Ctrl-C signals the terminal's whole process group: only `sao train` is in it (torchrun runs in its own
+    session), and it forwards one SIGINT to each rank; a second one per rank would exit without saving."""
+    marker = tmp_path / "collecting"
+    proc = _sao_train(tmp_path, "rollout.reward_fn='tests.faults.fault_rewards:hang_after_marking'",
+                      "rollout.reward_timeout_s=3600", "parallel.pp=2", "parallel.launcher='torchrun'",
+                      env={"SAO_FAULT_MARKER": str(marker)}, session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert marker.exists(), proc.communicate(timeout=60)[1][-3000:]
+        os.killpg(proc.pid, signal.SIGINT)      # what the terminal does on Ctrl-C
+        _, err = proc.communicate(timeout=GENEROUS_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    assert "done: stopped by SIGINT during collection after step 0, checkpoint saved" in err, err[-3000:]
+    assert "second signal" not in err and "Traceback" not in err, err[-3000:]
+    assert (tmp_path / "e2e" / "checkpoints" / "latest").read_text() == "step_00000000"
 
 
 def test_sao_train_sigkilled_mid_collection_leaves_no_process_behind(tmp_path):
