@@ -143,14 +143,14 @@ def _rows(path: Path) -> list:
     return [json.loads(line)["step"] for line in path.read_text().splitlines()]
 
 
-def _sink_for(tmp_path, resume: str, wandb_id: str = ""):
+def _sink_for(tmp_path, resume: str, wandb_id: str = "", wandb: bool = False):
     import contextlib
 
     from sao_megatron.core.config import load_recipe
     from sao_megatron.trainer.components import _build_sink
 
     recipe = load_recipe(None, [f"run.output_dir='{tmp_path}'", "run.name='r'", "model.path='unused'",
-                                "logging.wandb=false", "logging.console=false", "logging.plot=false",
+                                f"logging.wandb={str(wandb).lower()}", "logging.console=false", "logging.plot=false",
                                 f"checkpoint.resume='{resume}'"], check_files=False)
     recipe.run_dir.mkdir(parents=True, exist_ok=True)
     if wandb_id:
@@ -227,3 +227,15 @@ def test_read_only_checkpoint_dir_is_one_line_and_nothing_changes(tmp_path, monk
                                                    r"step_00000001 is intact"):
         ckpt.save(2, parts)
     assert _tree(ckpt.root) == before
+
+
+def test_wandb_resumes_its_run_unless_the_resume_cut_rows_then_logs_to_a_new_one(tmp_path):
+    run_dir = tmp_path / "r"
+    ckpt = RunCheckpointer(run_dir / "checkpoints", rank=0, world_size=1).save(2, {"trainer": ValueState(dict, None)})
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    _, first = _sink_for(tmp_path, str(ckpt), wandb=True)
+    assert first and (run_dir / "wandb_run_id").read_text() == first
+    _, same = _sink_for(tmp_path, str(ckpt), wandb=True)           # nothing after step 2: the same run
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
+    _, new = _sink_for(tmp_path, str(ckpt), wandb=True)            # step 3 is cut: wandb could not go back
+    assert same == first and new not in ("", first) and (run_dir / "wandb_run_id").read_text() == new
