@@ -40,6 +40,7 @@ class GenerateRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     return_logprob: bool = True
     return_routed_experts: bool = True
+    return_indexer_topk: bool = True          # sent only to an engine whose model has a DSA indexer
 
 
 @dataclass
@@ -51,6 +52,7 @@ class GenerateResult:
     weight_version: int                       # engine weight version when the request finished
     output_weight_versions: Optional[list[int]] = None  # per output token, when the engine reports it
     routed_experts: Optional[torch.Tensor] = None       # int32 [prompt+output-1, layers, topk]
+    indexer_topk: Optional[torch.Tensor] = None         # int32 [prompt+output-1, layers, index_topk], -1 = none
     prompt_tokens: int = 0
     engine: str = ""
 

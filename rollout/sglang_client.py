@@ -14,21 +14,32 @@ expanded from SGLang's ``meta_info.weight_versions`` spans.
 Routes: SGLang returns ``[tokens, num_hidden_layers, num_experts_per_tok]`` but never reports that
 shape (/model_info has no such keys), so the client takes it from the model's config.json when the
 engines are built (`route_shape_from_config`).
+
+DSA indexer top-k (rollout/indexer_topk.py): a client told ``index_topk`` (the model has an indexer,
+`indexer_shape_from_config`) sends ``return_indexer_topk`` with every request that wants it
+(GenerateRequest.return_indexer_topk, true by default). A reply without it (an engine started
+without --enable-return-indexer-topk) or with values that cannot be logical key positions (SGLang's
+fused top-k returns KV slots) gives ``indexer_topk=None`` and one warning per engine: the trainer
+then selects keys itself. A reply of the wrong shape is an EngineError naming the engine, the field
+and both shapes.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import json
 from pathlib import Path
 from typing import Any, Optional
 
 from rollout.engine import EngineError, GenerateRequest, GenerateResult, Generator
+from rollout.indexer_topk import decode_indexer_topk, logical_violation
 from rollout.routed_experts import decode_routed_experts
 from rollout.weights.receiver import WeightReceiver
 
 import torch
 
+log = logging.getLogger(__name__)
 FINISH_TYPES = ("stop", "length", "abort")
 
 # Everything this client uses of SGLang's protocol. tests/unit/test_sglang_contract.py checks each
@@ -38,7 +49,8 @@ FINISH_TYPES = ("stop", "length", "abort")
 SGLANG_VERSION = "0.5.23"
 ROUTES: dict[str, tuple[str, str | None, tuple[str, ...]]] = {   # path: (method, request struct, fields sent)
     "/generate": ("POST", "GenerateReqInput", ("rid", "input_ids", "sampling_params", "return_logprob",
-                                               "logprob_start_len", "return_routed_experts", "extra_key")),
+                                               "logprob_start_len", "return_routed_experts", "return_indexer_topk",
+                                               "extra_key")),
     "/abort_request": ("POST", "AbortReq", ("rid", "abort_all")),
     "/pause_generation": ("POST", "PauseGenerationReqInput", ("mode",)),
     "/continue_generation": ("POST", "ContinueGenerationReqInput", ()),
@@ -59,7 +71,7 @@ ROUTES: dict[str, tuple[str, str | None, tuple[str, ...]]] = {   # path: (method
 }
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed")
 META_INFO_FIELDS = ("finish_reason", "prompt_tokens", "weight_version", "weight_versions",
-                    "output_token_logprobs", "routed_experts")
+                    "output_token_logprobs", "routed_experts", "indexer_topk")
 
 
 def _aiohttp():
@@ -75,12 +87,15 @@ class SGLangEngine(Generator, WeightReceiver):
 
     ``moe_topk`` and ``num_layers`` give the routes' shape (experts per token, hidden layers); build
     them with ``**route_shape_from_config(model_path)``. Without ``moe_topk`` a request for routes fails.
+    ``index_topk`` and ``num_indexer_layers`` (``**indexer_shape_from_config(model_path)``) give the
+    DSA indexer's; without ``index_topk`` the client never asks for indexer top-k.
     """
 
     def __init__(self, url: str, api_key: str = "", name: Optional[str] = None, timeout_s: float = 600.0,
                  control_timeout_s: float = 60.0, weight_timeout_s: float = 600.0, max_retries: int = 3,
                  backoff_s: float = 0.5, moe_topk: Optional[int] = None, num_layers: Optional[int] = None,
-                 max_connections: int = 256):
+                 max_connections: int = 256, index_topk: Optional[int] = None,
+                 num_indexer_layers: Optional[int] = None):
         self.url = url.rstrip("/")
         self.name = name or self.url
         self.api_key = api_key
@@ -92,6 +107,9 @@ class SGLangEngine(Generator, WeightReceiver):
         self.moe_topk = moe_topk
         self.num_layers = num_layers
         self.max_connections = max_connections
+        self.index_topk = index_topk
+        self.num_indexer_layers = num_indexer_layers or num_layers
+        self._indexer_warned = False
         self._session = None
 
     # ---- transport ----
@@ -146,17 +164,43 @@ class SGLangEngine(Generator, WeightReceiver):
 
     # ---- generation ----
     async def generate(self, request: GenerateRequest) -> GenerateResult:
-        body = generate_body(request, self.cache_namespace)
+        ask_indexer = bool(request.return_indexer_topk and self.index_topk)
+        body = generate_body(request, self.cache_namespace, ask_indexer)
         data = await self._ok("POST", "/generate", body, self.timeout_s)
         meta = data.get("meta_info") if isinstance(data, dict) else None
         if request.return_routed_experts and isinstance(meta, dict) and "routed_experts" in meta \
                 and self.moe_topk is None:
             raise self._fail("cannot decode routed experts: moe_topk unknown (SGLang does not report it); "
                              "build the client with **route_shape_from_config(model_path)")
+        indexer_shape = (self.num_indexer_layers, self.index_topk) if ask_indexer else None
         try:
-            return parse_generate_reply(data, request, self.moe_topk, self.num_layers, self.name)
+            result = parse_generate_reply(data, request, self.moe_topk, self.num_layers, self.name, indexer_shape)
         except ValueError as err:
             raise self._fail(f"/generate reply for rid {request.rid}: {err}") from None
+        if ask_indexer:
+            result.indexer_topk = self._replayable(result, data["meta_info"])
+        return result
+
+    def _replayable(self, result: GenerateResult, meta: dict) -> Optional[torch.Tensor]:
+        """The reply's indexer top-k if the trainer can replay it, else None (said once per engine)."""
+        topk = result.indexer_topk
+        if topk is None:
+            if result.finish_reason != "abort" or result.output_ids:
+                self._warn_indexer("its replies carry no meta_info.indexer_topk (start it with "
+                                   "--enable-return-indexer-topk)")
+            return None
+        problem = logical_violation(topk)
+        if problem:
+            self._warn_indexer(f"its meta_info.indexer_topk are not logical key positions ({problem}); SGLang's "
+                               "fused DSA top-k returns KV-cache slots: run it with SGLANG_DSA_FUSE_TOPK=0")
+            return None
+        return topk
+
+    def _warn_indexer(self, why: str) -> None:
+        if not self._indexer_warned:
+            self._indexer_warned = True
+            log.warning("engine %s: %s; its samples carry no DSA indexer choices and the trainer selects keys "
+                        "itself", self.name, why)
 
     async def abort(self, rid: Optional[str] = None) -> None:
         await self._ok("POST", "/abort_request", {"rid": rid or "", "abort_all": rid is None}, self.control_timeout_s)
@@ -291,9 +335,11 @@ def route_shape_from_config(model_path: str | Path) -> dict:
     return {"moe_topk": topk, "num_layers": text.get("num_hidden_layers") if topk else None}
 
 
-def generate_body(request: GenerateRequest, cache_namespace: Optional[str] = None) -> dict:
+def generate_body(request: GenerateRequest, cache_namespace: Optional[str] = None,
+                  return_indexer_topk: bool = False) -> dict:
     """SGLang /generate body for one request (output-token logprobs only: logprob_start_len -1).
-    ``cache_namespace`` goes out as ``extra_key``, SGLang's prefix-cache namespace."""
+    ``cache_namespace`` goes out as ``extra_key``, SGLang's prefix-cache namespace;
+    ``return_indexer_topk`` is sent only when true (the engine serves a DSA model)."""
     sampling = {"max_new_tokens": request.max_new_tokens, "temperature": request.temperature,
                 "top_p": request.top_p, "top_k": request.top_k, "stop_token_ids": list(request.stop_token_ids)}
     if request.seed is not None:
@@ -301,6 +347,8 @@ def generate_body(request: GenerateRequest, cache_namespace: Optional[str] = Non
     body = {"rid": request.rid, "input_ids": list(request.input_ids), "sampling_params": sampling,
             "return_logprob": request.return_logprob, "logprob_start_len": -1,
             "return_routed_experts": request.return_routed_experts}
+    if return_indexer_topk:
+        body["return_indexer_topk"] = True
     if cache_namespace is not None:
         body["extra_key"] = cache_namespace
     return body
@@ -316,8 +364,10 @@ def parse_version(value: Any) -> int:
 
 
 def parse_generate_reply(data: Any, request: GenerateRequest, top_k: Optional[int],
-                         num_layers: Optional[int], engine: str) -> GenerateResult:
-    """Check and convert one /generate reply; ValueError names the bad field."""
+                         num_layers: Optional[int], engine: str,
+                         indexer_shape: Optional[tuple[int, int]] = None) -> GenerateResult:
+    """Check and convert one /generate reply; ValueError names the bad field. ``indexer_shape``
+    ((num_indexer_layers, index_topk)) when indexer top-k was asked for: decoded if present."""
     if not isinstance(data, dict):
         raise ValueError(f"reply is {type(data).__name__}, expected an object")
     output_ids, meta = data.get("output_ids"), data.get("meta_info")
@@ -341,9 +391,13 @@ def parse_generate_reply(data: Any, request: GenerateRequest, top_k: Optional[in
                                  "--enable-return-routed-experts?)")
         else:
             routes = decode_routed_experts(meta["routed_experts"], len(request.input_ids) + n - 1, top_k, num_layers)
+    indexer = None
+    if indexer_shape is not None and "indexer_topk" in meta:
+        indexer = decode_indexer_topk(meta["indexer_topk"], max(len(request.input_ids) + n - 1, 0), *indexer_shape)
     return GenerateResult(rid=request.rid, output_ids=output_ids, output_logprobs=logprobs, finish_reason=kind,
                           weight_version=parse_version(meta["weight_version"]),
                           output_weight_versions=_token_versions(meta, n), routed_experts=routes,
+                          indexer_topk=indexer,
                           prompt_tokens=int(meta.get("prompt_tokens", len(request.input_ids))), engine=engine)
 
 

@@ -65,7 +65,7 @@ async def generate(state, request: web.Request) -> web.Response:
         raise BadRequest(f"Duplicate request ID detected: {parsed.rid}")
     req = Request(rid=parsed.rid, input_ids=parsed.input_ids, params=parsed.params, deliver=lambda _: None,
                   return_logprob=parsed.return_logprob, return_routes=parsed.return_routes,
-                  routes_start=parsed.routes_start)
+                  routes_start=parsed.routes_start, return_indexer_topk=parsed.return_indexer_topk)
     state.in_flight.add(parsed.rid)
     try:
         finished = await run_request(state, req, gone=_disconnected(request))

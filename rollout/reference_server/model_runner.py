@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from .dsa_indexer import NOT_GIVEN, IndexerSelection
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -46,53 +48,99 @@ def cache_kwarg(model: torch.nn.Module) -> str:
 
 
 class SlotCache:
-    """Duck-typed transformers Cache over the KV slab; `plan` is set before each forward."""
+    """Duck-typed transformers Cache over per-layer slabs; `plan` is set before each forward.
+
+    Each layer's slabs take their shapes from the first tensors the model caches: ``key_states``
+    ``[B, heads, S, dim]`` and ``value_states`` of possibly different heads and dim (DeepSeek-V3's
+    keys are 192 wide, its values 128). transformers 5.25's multi-latent attention (glm_moe_dsa,
+    deepseek_v3) caches its compressed latents instead, ``update(kv_latent [B, 1, S, kv_lora_rank],
+    k_rot [B, 1, S, rope_dim])``, and its DSA indexer its own keys, ``update_indexer(k [B, S,
+    index_head_dim])``: a third slab per layer. Slot column t always holds the row's token t.
+    """
 
     is_compileable = False
 
-    def __init__(self, num_layers: int, max_batch: int, kv_heads: int, head_dim: int, dtype, capacity: int,
-                 device: torch.device | str = "cpu"):
-        shape = (max_batch, kv_heads, capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    def __init__(self, num_layers: int, max_batch: int, dtype, capacity: int, device: torch.device | str = "cpu"):
+        self.max_batch, self.dtype, self.device = max_batch, dtype, device
+        self._capacity = capacity
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.index_keys: list[torch.Tensor | None] = [None] * num_layers   # [max_batch, T, dim]
         self.rows = self.kv_len = 0
         self.write_rows = self.write_pos = self.src_rows = self.src_cols = None
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[2]
+        return self._capacity
+
+    def _slab(self, like: torch.Tensor) -> torch.Tensor:
+        """A zero slab for tensors shaped like `like` ([B, heads, S, dim] or [B, S, dim]), time on axis -2."""
+        return torch.zeros((self.max_batch, *like.shape[1:-2], self._capacity, like.shape[-1]),
+                           dtype=like.dtype, device=self.device)
+
+    def _stores(self):
+        return (self.keys, self.values, self.index_keys)
 
     def grow(self, needed: int) -> None:
-        """Double the time axis until it holds `needed` positions (the slab starts small)."""
-        new_cap = self.capacity
+        """Double the time axis until it holds `needed` positions (the slabs start small)."""
+        new_cap = self._capacity
         while new_cap < needed:
             new_cap *= 2
-        if new_cap == self.capacity:
+        if new_cap == self._capacity:
             return
-        for store in (self.keys, self.values):
+        for store in self._stores():
             for i, old in enumerate(store):
-                pad = old.new_zeros(old.shape[0], old.shape[1], new_cap - old.shape[2], old.shape[3])
-                store[i] = torch.cat([old, pad], dim=2)
+                if old is not None:
+                    pad = old.new_zeros(*old.shape[:-2], new_cap - old.shape[-2], old.shape[-1])
+                    store[i] = torch.cat([old, pad], dim=-2)
+        self._capacity = new_cap
+
+    def _write(self, store: list, layer_idx: int, states: torch.Tensor) -> torch.Tensor:
+        if store[layer_idx] is None:
+            store[layer_idx] = self._slab(states)
+        slab = store[layer_idx]
+        if slab.shape[1:-2] != states.shape[1:-2] or slab.shape[-1] != states.shape[-1]:
+            raise RuntimeError(f"layer {layer_idx} cached {tuple(slab.shape)} slabs, now gets {tuple(states.shape)}")
+        if states.dim() == 4:    # [B, heads, S, dim]
+            slab[self.write_rows, :, self.write_pos] = states[self.src_rows, :, self.src_cols]
+            return slab[: self.rows, :, : self.kv_len]
+        slab[self.write_rows, self.write_pos] = states[self.src_rows, self.src_cols]
+        return slab[: self.rows, : self.kv_len]
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        k, v = self.keys[layer_idx], self.values[layer_idx]
-        k[self.write_rows, :, self.write_pos] = key_states[self.src_rows, :, self.src_cols]
-        v[self.write_rows, :, self.write_pos] = value_states[self.src_rows, :, self.src_cols]
-        return k[: self.rows, :, : self.kv_len], v[: self.rows, :, : self.kv_len]
+        return self._write(self.keys, layer_idx, key_states), self._write(self.values, layer_idx, value_states)
+
+    def update_indexer(self, key_states, layer_idx, *args, **kwargs):
+        """The DSA indexer's keys ``[B, S, dim]`` -> ``[rows, kv_len, dim]`` (transformers 5.25 Cache API)."""
+        return self._write(self.index_keys, layer_idx, key_states)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.kv_len
 
     def move_row(self, src: int, dst: int, length: int) -> None:
-        for store in (self.keys, self.values):
-            for layer in store:
-                layer[dst, :, :length] = layer[src, :, :length]
+        for store in self._stores():
+            for slab in store:
+                if slab is None:
+                    continue
+                if slab.dim() == 4:
+                    slab[dst, :, :length] = slab[src, :, :length]
+                else:
+                    slab[dst, :length] = slab[src, :length]
 
 
 @dataclass
 class StepOutput:
     last_logits: torch.Tensor          # fp32 [rows, vocab]: logits at each row's last fed token
     routes: list[torch.Tensor] | None  # per row: int32 [fed tokens, num_hidden_layers, topk]
+    indexer_topk: list[torch.Tensor] | None = None   # per row: int32 [fed tokens, num_hidden_layers, index_topk]
+
+
+@dataclass
+class Scored:
+    """A teacher-forced pass over one sequence (CPU tensors)."""
+    logits: torch.Tensor                     # fp32 [T, vocab]
+    routes: torch.Tensor | None              # int32 [T, num_hidden_layers, topk], dense layers zero
+    indexer_topk: torch.Tensor | None        # int32 [T, num_hidden_layers, index_topk], -1 padded
 
 
 class ModelRunner:
@@ -124,14 +172,19 @@ class ModelRunner:
         self._captured: list[torch.Tensor | None] = [None] * len(self.routers)
         for i, (_, module) in enumerate(self.routers):
             module.register_forward_hook(self._make_hook(i))
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.cache = SlotCache(cfg.num_hidden_layers, max_batch, cfg.num_key_value_heads, head_dim,
-                               self.dtype, capacity=min(256, self.max_context), device=self.device)
+        self.indexer = IndexerSelection(self.model, self.num_layers)
+        self.cache = SlotCache(cfg.num_hidden_layers, max_batch, self.dtype, capacity=min(256, self.max_context),
+                               device=self.device)
         self.cache_kwarg = cache_kwarg(self.model)
 
     @property
     def num_moe_layers(self) -> int:
         return len(self.routers)
+
+    @property
+    def index_topk(self) -> int:
+        """Keys each query attends in a DSA layer; 0 when the model has no indexer."""
+        return self.indexer.top_k
 
     def _find_routers(self) -> list[tuple[str, torch.nn.Module]]:
         """Router modules in layer order: modules whose class name ends in 'Router' and that have top_k."""
@@ -159,7 +212,8 @@ class ModelRunner:
     # no_grad per call, not torch.set_grad_enabled(False): grad mode is per thread, and a runner built
     # in a trainer's or a test's thread must not switch autograd off there
     @torch.no_grad()
-    def forward(self, chunks: list[list[int]], lengths: list[int], want_routes: bool = True) -> StepOutput:
+    def forward(self, chunks: list[list[int]], lengths: list[int], want_routes: bool = True,
+                want_indexer: bool = False) -> StepOutput:
         """Feed `chunks[b]` to row b whose cache holds `lengths[b]` tokens; rows must be 0..len-1."""
         rows = len(chunks)
         q = max(len(c) for c in chunks)
@@ -187,7 +241,11 @@ class ModelRunner:
         last = torch.tensor([len(c) - 1 for c in chunks], device=self.device)
         last_logits = out.logits[torch.arange(rows, device=self.device), last].float().cpu()
         routes = self._split_routes(rows, q, chunks) if want_routes and self.routers else None
-        return StepOutput(last_logits=last_logits, routes=routes)
+        selected = None
+        if want_indexer and self.indexer.enabled:
+            stacked = self.indexer.layer_axis(rows * q).reshape(rows, q, self.num_layers, self.index_topk)
+            selected = [stacked[b, : len(chunks[b])].clone() for b in range(rows)]
+        return StepOutput(last_logits=last_logits, routes=routes, indexer_topk=selected)
 
     def _layer_axis(self, tokens: int) -> torch.Tensor:
         """Captured indices -> CPU int32 [tokens, num_hidden_layers, topk], dense layers' columns zero."""
@@ -204,6 +262,37 @@ class ModelRunner:
     def teacher_forced(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Plain HF forward of one sequence, on the CPU: (fp32 logits [T, vocab], routes int32
         [T, num_hidden_layers, topk] with dense layers zero, or None without routers)."""
-        out = self.model(input_ids=torch.tensor([tokens], device=self.device), use_cache=False)
+        scored = self.score(tokens)
+        return scored.logits, scored.routes
+
+    @torch.no_grad()
+    def score(self, tokens: list[int], replay_indexer: torch.Tensor | None = None) -> Scored:
+        """One teacher-forced pass without the KV slab. ``replay_indexer`` (int ``[n <= T,
+        num_hidden_layers, index_topk]``, logical positions, -1 padded, as `indexer_topk` returns)
+        makes the first n queries of every indexer layer attend those keys instead of selecting:
+        the trainer's replay."""
+        ids = torch.tensor([tokens], device=self.device)
+        if replay_indexer is not None:
+            self.indexer.replay = self._replay_plan(replay_indexer, len(tokens))
+        try:
+            out = self.model(input_ids=ids, use_cache=False)
+        finally:
+            self.indexer.replay = None
         routes = self._layer_axis(len(tokens)) if self.routers else None
-        return out.logits[0].float().cpu(), routes
+        selected = self.indexer.layer_axis(len(tokens)) if self.indexer.enabled else None
+        return Scored(logits=out.logits[0].float().cpu(), routes=routes, indexer_topk=selected)
+
+    def _replay_plan(self, replay: torch.Tensor, num_tokens: int) -> dict[int, torch.Tensor]:
+        """Replayed rows, per full indexer layer, as [1, T, index_topk]; rows past the replay select."""
+        if not self.indexer.enabled:
+            raise ValueError("replay_indexer given, but the model has no DSA indexer")
+        want = (self.num_layers, self.index_topk)
+        if replay.dim() != 3 or tuple(replay.shape[1:]) != want or replay.shape[0] > num_tokens:
+            raise ValueError(f"replay_indexer has shape {tuple(replay.shape)}; expected [<= {num_tokens}, {want[0]}, "
+                             f"{want[1]}]")
+        plan = {}
+        for layer in self.indexer.indexers:
+            rows = torch.full((num_tokens, self.index_topk), NOT_GIVEN, dtype=torch.long)
+            rows[: replay.shape[0]] = replay[:, layer].long()
+            plan[layer] = rows[None]
+        return plan

@@ -14,13 +14,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from rollout.indexer_topk import encode_indexer_topk
 from rollout.routed_experts import encode_routed_experts
 
 from .sampling import SamplingParams
 
 GENERATE_FIELDS = {"rid", "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
                    "top_logprobs_num", "return_text_in_logprobs", "return_routed_experts",
-                   "routed_experts_start_len", "stream", "log_metrics",
+                   "routed_experts_start_len", "return_indexer_topk", "stream", "log_metrics",
                    "extra_key"}   # SGLang's prefix-cache namespace; accepted, unused: no prefix cache here
 SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
                    "ignore_eos", "skip_special_tokens", "no_stop_trim", "sampling_seed", "n",
@@ -39,6 +40,7 @@ class ParsedGenerate:
     return_logprob: bool
     return_routes: bool
     routes_start: int
+    return_indexer_topk: bool = False
 
 
 INT32_MAX = 2**31 - 1            # SGLang holds top_k in an int32 tensor (sampling_batch_info.py:147)
@@ -182,9 +184,12 @@ def parse_generate(body: Any, vocab_size: int, max_context: int, tokenizer, eos_
     if want_routes and not has_routers:
         raise BadRequest("field 'return_routed_experts': the served model has no MoE routers")
     routes_start = _int(body, "routed_experts_start_len", 0, 0, len(input_ids), "routed_experts_start_len")
+    # SGLang takes it from any request and answers it only from a server started with
+    # --enable-return-indexer-topk serving a DSA model; otherwise the reply just has no indexer_topk
+    want_indexer = _flag(body, "return_indexer_topk", False)
     return ParsedGenerate(rid=rid, input_ids=input_ids, params=parse_sampling(body.get("sampling_params"), eos_ids),
                           return_logprob=_flag(body, "return_logprob", False),
-                          return_routes=want_routes, routes_start=routes_start)
+                          return_routes=want_routes, routes_start=routes_start, return_indexer_topk=want_indexer)
 
 
 def check_context(input_len: int, sampling: Any, max_context: int) -> None:
@@ -255,6 +260,9 @@ def build_response(req, tokenizer, current_version: int) -> dict:
     if req.return_routes and req.routes is not None:   # None: aborted before its first step
         fed = max(len(req.input_ids) + len(req.output_ids) - 1, 0)
         meta["routed_experts"] = encode_routed_experts(req.routes[req.routes_start: fed])
+    if req.return_indexer_topk and req.indexer_topk is not None:   # SGLang has no start_len for these
+        fed = max(len(req.input_ids) + len(req.output_ids) - 1, 0)
+        meta["indexer_topk"] = encode_indexer_topk(req.indexer_topk[:fed])
     return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
 

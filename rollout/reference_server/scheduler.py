@@ -50,10 +50,12 @@ class Request:
     return_logprob: bool = True
     return_routes: bool = False
     routes_start: int = 0
+    return_indexer_topk: bool = False
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     routes: Optional[torch.Tensor] = None     # int32 [prompt + max_new - 1, layers, topk], filled as fed
+    indexer_topk: Optional[torch.Tensor] = None   # int32 [prompt + max_new - 1, layers, index_topk], as fed
     kv_len: int = 0
     retractions: int = 0
     finish: Optional[dict] = None
@@ -67,8 +69,13 @@ class Request:
 
 class Scheduler:
     def __init__(self, runner: ModelRunner, eos_token_ids: list[int], weight_version: int = 0,
-                 seed: Optional[int] = None):
+                 seed: Optional[int] = None, enable_return_indexer_topk: bool = False):
         self.runner = runner
+        # SGLang captures DSA selections only under --enable-return-indexer-topk, and only for a model
+        # with indexer layers (state_capturer/indexer_topk.py _create_indexer_capturer_raw)
+        self.capture_indexer = enable_return_indexer_topk and runner.index_topk > 0
+        if enable_return_indexer_topk and not self.capture_indexer:
+            log.warning("No indexer layers found, IndexerTopkCapturer disabled")
         self.seed = seed                      # base seed for requests without sampling_seed
         self._submitted = 0
         self.eos = set(eos_token_ids)
@@ -239,22 +246,28 @@ class Scheduler:
         with self._cond:
             while self.waiting and len(self.running) < self.runner.max_batch:
                 req = self.waiting.popleft()
+                rows = min(len(req.input_ids) + req.params.max_new_tokens, self.runner.max_context) - 1
                 if req.return_routes and req.routes is None:
-                    rows = min(len(req.input_ids) + req.params.max_new_tokens, self.runner.max_context) - 1
                     req.routes = torch.zeros(rows, self.runner.num_layers, self.runner.top_k, dtype=torch.int32)
+                if req.return_indexer_topk and self.capture_indexer and req.indexer_topk is None:
+                    req.indexer_topk = torch.full((rows, self.runner.num_layers, self.runner.index_topk), -1,
+                                                  dtype=torch.int32)
                 self.running.append(req)
 
     def _step(self) -> None:
         chunks = [req.tokens[req.kv_len:] for req in self.running]
         lengths = [req.kv_len for req in self.running]
         want_routes = any(req.return_routes for req in self.running)
-        out = self.runner.forward(chunks, lengths, want_routes=want_routes)
+        want_indexer = any(req.indexer_topk is not None for req in self.running)
+        out = self.runner.forward(chunks, lengths, want_routes=want_routes, want_indexer=want_indexer)
         temps = torch.tensor([req.params.temperature for req in self.running], dtype=torch.float32)
         logprobs = scaled_logprobs(out.last_logits, temps)
         tokens, chosen = sample_batch(logprobs, [r.params for r in self.running], [r.generator for r in self.running])
         for b, (req, token, logprob) in enumerate(zip(self.running, tokens, chosen)):
             if req.return_routes:
                 req.routes[req.kv_len: req.kv_len + len(chunks[b])] = out.routes[b]
+            if req.indexer_topk is not None:
+                req.indexer_topk[req.kv_len: req.kv_len + len(chunks[b])] = out.indexer_topk[b]
             req.kv_len += len(chunks[b])
             req.output_ids.append(token)
             req.logprobs.append(logprob)

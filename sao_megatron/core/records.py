@@ -9,6 +9,10 @@ Conventions, used everywhere:
   num_hidden_layers, top_k]``, the experts each token position was routed to. The layer axis holds
   EVERY hidden layer, column = global 0-based layer id; dense layers (GLM's first_k_dense_replace)
   have all-zero columns, which replay never reads.
+- ``indexer_topk`` is what a DSA engine returns (rollout/indexer_topk.py), aligned as routes are:
+  int32 ``[len(prompt_ids) + len(response_ids) - 1, num_hidden_layers, index_topk]``, row t the
+  keys the query at position t attends, as logical token positions 0..t of the sample, -1 in unused
+  slots (checkpoints/arch/dsa.py); a layer that reuses an earlier layer's selection holds a copy.
 - In a TrainBatch, position t of a row holds token t, and per-token values at t (logprob, mask,
   advantage) refer to predicting token t from tokens < t. Position 0 never has a loss.
 - Response space ``[B, R]`` (an AdvantageBatch) has one row per sample: position i is response
@@ -32,6 +36,9 @@ class SampleStatus(str, enum.Enum):
     FAILED = "failed"          # reward or environment failed; `metadata["error"]` says why
 
 
+_PER_POSITION = ("routed_experts", "indexer_topk")   # int32 tensors [tokens - 1, layers, k] of a Sample
+
+
 @dataclass
 class Sample:
     """One rollout of one prompt."""
@@ -44,6 +51,7 @@ class Sample:
     rollout_logprobs: list[float] = field(default_factory=list)
     weight_versions: list[int] = field(default_factory=list)
     routed_experts: Optional[torch.Tensor] = None
+    indexer_topk: Optional[torch.Tensor] = None
     reward: Optional[float] = None
     reward_info: dict = field(default_factory=dict)
     status: SampleStatus = SampleStatus.PENDING
@@ -72,29 +80,33 @@ class Sample:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"sample {self.uid}: {name} has {len(getattr(self, name))} entries, "
                                  f"response_ids has {n}")
-        if self.routed_experts is not None and self.routed_experts.dim() != 3:
-            raise ValueError(f"sample {self.uid}: routed_experts has shape {tuple(self.routed_experts.shape)}, "
-                             f"expected [tokens - 1, num_hidden_layers, top_k]")
-        if self.routed_experts is not None and self.routed_experts.shape[0] != max(self.num_tokens - 1, 0):
-            raise ValueError(f"sample {self.uid}: routed_experts has {self.routed_experts.shape[0]} rows, "
-                             f"expected {self.num_tokens - 1}")
+        for name, last in (("routed_experts", "top_k"), ("indexer_topk", "index_topk")):
+            value = getattr(self, name)
+            if value is not None and value.dim() != 3:
+                raise ValueError(f"sample {self.uid}: {name} has shape {tuple(value.shape)}, "
+                                 f"expected [tokens - 1, num_hidden_layers, {last}]")
+            if value is not None and value.shape[0] != max(self.num_tokens - 1, 0):
+                raise ValueError(f"sample {self.uid}: {name} has {value.shape[0]} rows, expected {self.num_tokens - 1}")
 
     def to_dict(self) -> dict:
         """JSON-safe form (for rollout dumps and checkpoints)."""
-        out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "routed_experts"}
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in _PER_POSITION}
         out["status"] = self.status.value
-        if self.routed_experts is not None:
-            out["routed_experts"] = self.routed_experts.tolist()
+        for name in _PER_POSITION:
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name).tolist()
         return out
 
     @classmethod
     def from_dict(cls, data: dict) -> "Sample":
         data = dict(data)
         data["status"] = SampleStatus(data.get("status", "pending"))
-        routes = data.pop("routed_experts", None)
+        tensors = {name: data.pop(name, None) for name in _PER_POSITION}
         sample = cls(**data)
-        if routes is not None:
-            sample.routed_experts = torch.tensor(routes, dtype=torch.int32)
+        for name, value in tensors.items():
+            if value is not None:
+                tensor = torch.tensor(value, dtype=torch.int32)
+                setattr(sample, name, tensor if tensor.numel() else tensor.reshape(0, 0, 0))   # [] of a 1-token sample
         return sample
 
 
@@ -118,6 +130,9 @@ class TrainBatch:
     ref_logprobs: Optional[torch.Tensor] = None   # reference policy (KL penalty)
     old_values: Optional[torch.Tensor] = None     # critic values before this step (value clipping)
     routed_experts: Optional[torch.Tensor] = None  # int32 [rows, seq, num_hidden_layers, topk], -1 = none
+    # int32 [rows, seq, num_hidden_layers, index_topk]: at position t the keys (positions 0..t of the
+    # row) the query at t attends in each DSA layer, as the engine chose them; -1 = unused slot or none
+    indexer_topk: Optional[torch.Tensor] = None
     global_num_tokens: float = 0.0             # action tokens of the whole step (all micro-batches, DP ranks)
     global_num_seqs: float = 0.0               # sequences with >= 1 action token in the whole step
 

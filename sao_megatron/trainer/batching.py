@@ -84,7 +84,8 @@ def plan_micro_batches(samples: list[Sample], token_budget: int) -> list[list[in
 
 def pack_samples(samples: list[Sample], token_budget: int, with_routes: bool = True) -> PackedSamples:
     """The step's micro-batches (advantages and returns still zero) and each sample's slot in them;
-    every batch carries the step's action-token and sequence counts (the loss denominators)."""
+    every batch carries the step's action-token and sequence counts (the loss denominators).
+    ``with_routes``: carry the engine's routes and DSA indexer choices (when every sample has them)."""
     batches, slots = [], [None] * len(samples)
     for b, group in enumerate(plan_micro_batches(samples, token_budget)):
         batches.append(_sequence_rows([samples[i] for i in group], with_routes))
@@ -100,21 +101,31 @@ def _sequence_rows(rows: list[Sample], with_routes: bool) -> TrainBatch:
     tokens = torch.zeros(n, seq, dtype=torch.long)
     mask, logps = torch.zeros(n, seq), torch.zeros(n, seq)
     versions = torch.full((n, seq), -1, dtype=torch.long)
-    routes = None
-    if with_routes and all(s.routed_experts is not None for s in rows):
-        layers, topk = rows[0].routed_experts.shape[1:]
-        routes = torch.full((n, seq, layers, topk), -1, dtype=torch.int32)
+    routes = _per_position(rows, "routed_experts", seq) if with_routes else None
+    indexer = _per_position(rows, "indexer_topk", seq) if with_routes else None
     for r, sample in enumerate(rows):
         span = slice(len(sample.prompt_ids), sample.num_tokens)
         tokens[r, :sample.num_tokens] = torch.tensor(sample.prompt_ids + sample.response_ids)
         mask[r, span] = torch.tensor(sample.loss_mask, dtype=torch.float32)
         logps[r, span] = torch.tensor(sample.rollout_logprobs, dtype=torch.float32)
         versions[r, span] = torch.tensor(sample.weight_versions, dtype=torch.long)
-        if routes is not None:
-            routes[r, :sample.num_tokens - 1] = sample.routed_experts
     return TrainBatch(tokens=tokens, lengths=torch.tensor([s.num_tokens for s in rows]), loss_mask=mask,
                       rollout_logprobs=logps, advantages=torch.zeros(n, seq), returns=torch.zeros(n, seq),
-                      weight_versions=versions, sample_uids=[s.uid for s in rows], routed_experts=routes)
+                      weight_versions=versions, sample_uids=[s.uid for s in rows], routed_experts=routes,
+                      indexer_topk=indexer)
+
+
+def _per_position(rows: list[Sample], name: str, seq: int):
+    """int32 [rows, seq, layers, k] of each sample's `name` ([tokens - 1, layers, k]) at positions
+    0..tokens-2, -1 elsewhere; None unless every sample has it (a batch replays all or nothing)."""
+    values = [getattr(s, name) for s in rows]
+    if any(v is None for v in values):
+        return None
+    layers, k = values[0].shape[1:]
+    out = torch.full((len(rows), seq, layers, k), -1, dtype=torch.int32)
+    for r, (sample, value) in enumerate(zip(rows, values)):
+        out[r, :sample.num_tokens - 1] = value
+    return out
 
 
 def with_counts(batches: list[TrainBatch]) -> list[TrainBatch]:

@@ -107,11 +107,12 @@ def engine_fp8_layout(recipe: Recipe):
 
 
 def engine_clients(recipe: Recipe, urls: list[str], api_key: str) -> list:
-    """One SGLangEngine per URL, told the routes' shape from the model's config.json (SGLang does not
-    report it); the same for the driver's clients and every stage sender's."""
+    """One SGLangEngine per URL, told the routes' and the DSA indexer's shapes from the model's
+    config.json (SGLang reports neither); the same for the driver's clients and every stage sender's."""
+    from rollout.indexer_topk import indexer_shape_from_config
     from rollout.sglang_client import SGLangEngine, route_shape_from_config
 
-    shape = route_shape_from_config(recipe.model.path)
+    shape = {**route_shape_from_config(recipe.model.path), **indexer_shape_from_config(recipe.model.path)}
     return [SGLangEngine(url, api_key=api_key, name=f"engine{i}@{url}", timeout_s=recipe.rollout.request_timeout_s,
                          **shape) for i, url in enumerate(urls)]
 
@@ -130,9 +131,17 @@ def _launch_engine(recipe: Recipe, index: int, api_key: str, run_dir: Path, port
             extra.append("--shard-writes")   # the opt-in stand-in for per-rank writes (shard_writes.py)
         if rollout.engine_fp8:
             extra += ["--quantization", "fp8"]   # serves block-FP8 weights, takes only FP8 updates for them
+        if _has_indexer(recipe):
+            extra.append("--enable-return-indexer-topk")   # the DSA choices the trainer replays
         return launch_local(Path(engine_model_path(recipe)).resolve(), host=rollout.host, port=port, api_key=api_key,
                             log_path=run_dir / f"engine{index}.log", seed=recipe.run.seed + index,
                             extra_args=extra or None)
     from rollout.sglang_launcher import launch_sglang
 
     return launch_sglang(recipe, index=index, port=port, api_key=api_key, log_path=run_dir / f"engine{index}.log")
+
+
+def _has_indexer(recipe: Recipe) -> bool:
+    from rollout.indexer_topk import indexer_shape_from_config
+
+    return indexer_shape_from_config(engine_model_path(recipe))["index_topk"] is not None
