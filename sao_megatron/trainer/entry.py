@@ -102,7 +102,9 @@ def launch_local_ranks(recipe: Recipe, resolved: Path, world: int) -> int:
 def run_rank(recipe: Recipe) -> int:
     """One trainer rank: join the process group, build the components, run the loop."""
     from parallel.distributed import init_distributed, single_process_port
+    from sao_megatron.metrics.console import quiet_missing_kernel_warnings
 
+    quiet_missing_kernel_warnings()   # before Megatron's first import (the CPU shim's); `sao doctor` explains them
     single_process_port()
     env = init_distributed("auto")
     from .checkpointing import rank_recipe_error, resolve_resume
