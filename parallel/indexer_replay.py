@@ -67,6 +67,8 @@ class IndexerReplayer:
         self.agreement = IndexerAgreement()
         self._layers = [sparse_layers(c) for c in self.chunks]
         self._warned = False
+        self.needs_replay = _any_rank(any(m.indexer_kind == "shared" and m.source is None
+                                          for layers in self._layers for _, m in layers))
         for index, (chunk, layers) in enumerate(zip(self.chunks, self._layers)):
             for _, module in layers:
                 module.selection.agreement = self.agreement
@@ -76,6 +78,15 @@ class IndexerReplayer:
     @property
     def active(self) -> bool:
         return any(self._layers)
+
+    def check_batches(self, batches) -> None:
+        """Before any collective, on every rank: a layout whose "shared" DSA layer sits on another
+        pipeline stage than its full layer can run only on replayed selections."""
+        if self.needs_replay and any(b.indexer_topk is None for b in batches):
+            raise ValueError("a DSA layer that reuses an earlier layer's indexer selection is on another pipeline "
+                             "stage than that layer, and the batch has no indexer_topk to replay; fix: serve with "
+                             "--enable-return-indexer-topk, or set parallel.last_stage_layers so a stage starts "
+                             "with a full indexer layer")
 
     def _arm_backward(self, chunk_index: int):
         """Activation recompute re-runs this chunk's forwards during backward: from then on its layers
@@ -125,3 +136,14 @@ def check_indexer_topk(indexer_topk: torch.Tensor, num_layers: int, index_topk: 
     if bool(((indexer_topk < -1) | (indexer_topk >= seq)).any()):
         raise ValueError(f"indexer_topk holds positions outside [-1, {seq - 1}] for sequences of {seq} tokens; "
                          f"fix: take it from an engine serving this model (positions are logical, not cache slots)")
+
+
+def _any_rank(flag: bool) -> bool:
+    """True when `flag` holds on any rank (every rank calls it, once, while the model is built)."""
+    if not torch.distributed.is_initialized():
+        return flag
+    from .distributed import comm_device
+
+    value = torch.tensor([1.0 if flag else 0.0], device=comm_device())
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item() > 0)

@@ -129,6 +129,7 @@ class RLModel:
         return batches + [filler] * extra
 
     def _forward_only(self, batches: list[TrainBatch], on_output) -> list:
+        self.indexers.check_batches(batches)
         for chunk in self.chunks:
             chunk.eval()
         try:
@@ -187,6 +188,7 @@ class RLModel:
         learning rate of the next step of the schedule (a skipped step still uses up its place)."""
         self.parking.unpark()
         self._require_role(("policy", "critic"), "train_step")
+        self.indexers.check_batches(batches)
         for chunk in self.chunks:
             chunk.train()
             chunk.zero_grad_buffer()
