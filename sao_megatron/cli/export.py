@@ -20,7 +20,6 @@ a large model needs a host that holds it a few times over.
 """
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import sys
 from pathlib import Path
@@ -91,16 +90,16 @@ def export_recipe(ckpt):
     resume. The model (architecture, dtype, spec) stays the run's."""
     from checkpoints.arch import load_recipe
 
-    recipe = load_recipe(ckpt.recipe_path, [], check_files=False)
+    one_process = {"tp": 1, "pp": 1, "vpp": 1, "ep": 1, "etp": 0, "cp": 1, "dp": 0, "world_size": 1,
+                   "last_stage_layers": 0, "sequence_parallel": "false", "distributed_optimizer": "false",
+                   "optimizer_offload": "false"}
+    overrides = [f"parallel.{k}={v}" for k, v in one_process.items()]
+    overrides += ["checkpoint.resume='never'", "critic.placement='shared'"]
+    recipe = load_recipe(ckpt.recipe_path, overrides, check_files=False)
     if not (Path(recipe.model.path) / "config.json").is_file():
         raise FileNotFoundError(f"model.path {recipe.model.path} (from {ckpt.recipe_path}) has no config.json; fix: "
                                 "run from the directory the run was started in, or restore the model it started from")
-    par = dataclasses.replace(recipe.parallel, tp=1, pp=1, vpp=1, ep=1, etp=0, cp=1, dp=0, world_size=1,
-                              last_stage_layers=0, sequence_parallel=False, distributed_optimizer=False,
-                              optimizer_offload=False)
-    return dataclasses.replace(recipe, parallel=par,
-                               checkpoint=dataclasses.replace(recipe.checkpoint, resume="never"),
-                               critic=dataclasses.replace(recipe.critic, placement="shared"))
+    return recipe
 
 
 def _load_model(ckpt, recipe, role: str):
