@@ -206,9 +206,7 @@ def _receive_all(state, names, dtypes, shapes, group_name, load_format):
     if group is None:   # SGLang asserts this inside the receive (model_runner weight_updater.py:270)
         raise RuntimeError(f"Group {group_name} not in {list(state.groups)}. "
                            "Please call `init_weights_update_group` first.")
-    import torch.distributed as dist
-
-    if dist.get_rank(group) == 0:   # broadcast(src=0) returns at once on its source: torch.empty is all it holds
+    if group.rank() == 0:   # broadcast(src=0) returns at once on its source: torch.empty is all it holds
         raise RuntimeError("this server is rank 0 of the group, the broadcast's source, so it would receive "
                            "nothing; form the group with rank_offset >= 1. The old weights stay")
     flattened = load_format == "flattened_bucket"
