@@ -34,12 +34,13 @@ from pathlib import Path
 from typing import Optional
 
 from rollout.sandbox_bwrap import (ENV, SANDBOX_DIR, UNSAFE, NamespaceInit, SandboxUnavailable, bwrap_command, mib,
-                                   nproc_for, pick_uid, prepare_box, require_bwrap, rlimit_args)
+                                   nproc_for, pick_uid, require_bwrap, rlimit_args)
 from rollout.sandbox_guard import GUARD
 from rollout.sandbox_seccomp import program_fd
 
 ISOLATIONS = ("bwrap", UNSAFE)
 TAIL_BYTES = 4096
+QUOTA_POLL_S = 0.02
 __all__ = ["ISOLATIONS", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "run_python",
            "network_namespace_available"]
 
@@ -56,6 +57,8 @@ class SandboxLimits:
     open_files: int = 64
     max_processes: int = 32          # RLIMIT_NPROC: processes and threads of the run
     tmp_mb: int = 64                 # size of the private /tmp (bwrap)
+    write_mb: int = 64               # size of the working dir, a tmpfs too (bwrap): with tmp_mb, all a run can write
+    max_files: int = 2048            # files and dirs in the working dir and /tmp together (bwrap; see _over_quota)
     max_output_bytes: int = 64 * 1024
     network: bool = False
     isolation: str = "bwrap"         # or "unsafe-no-isolation" (rollout.sandbox)
@@ -76,7 +79,7 @@ class SandboxResult:
     returncode: int                    # negative signal number when a signal ended the program
     stdout: str                        # the first max_output_bytes
     stderr: str
-    limit: Optional[str] = None        # "wall_time" | "cpu_time" | "memory" | "file_size" when one was hit
+    limit: Optional[str] = None        # "wall_time" | "cpu_time" | "memory" | "file_size" | "write_quota" | "files"
     network_isolated: bool = False     # the run had no network (own namespace)
     stdout_tail: str = ""              # the last 4 KiB of stdout, however long it was
     isolation: str = "bwrap"
@@ -124,21 +127,20 @@ def _limit_arg(limits: SandboxLimits) -> str:
     return f"{limits.cpu_time_s},{mib(limits.memory_mb)},{mib(limits.file_size_mb)},{limits.open_files}"
 
 
-def _command(scratch: Path, limits: SandboxLimits, info_fd: Optional[int],
-             seccomp_fd: Optional[int]) -> tuple[list[str], Path, bool]:
-    """(argv, working dir on this side, network isolated) for the run's isolation mode."""
+def _command(scratch: Path, limits: SandboxLimits, info_fd: Optional[int], seccomp_fd: Optional[int],
+             file_fds: list[tuple[int, str]]) -> tuple[list[str], Path, bool]:
+    """(argv, the launcher's working dir, network isolated) for the run's isolation mode."""
     box = scratch / "box"
-    if limits.isolation == "bwrap":
-        uid = pick_uid()
-        prepare_box(box, uid)
+    box.mkdir(mode=0o700)
+    if limits.isolation == "bwrap":   # the run's own working dir is a tmpfs inside: `box` stays empty
         guard_argv = [sys.executable, "-I", f"{SANDBOX_DIR}/_guard.py", SANDBOX_DIR, f"{SANDBOX_DIR}/main.py",
                       "1" if limits.network else "0", _limit_arg(limits)]
         rlimits = rlimit_args(limits.cpu_time_s, mib(limits.memory_mb), mib(limits.file_size_mb),
                               limits.open_files, nproc_for(limits.max_processes))
-        cmd = bwrap_command(str(box), guard_argv, uid=uid, limits=rlimits, network=limits.network,
-                            tmp_bytes=mib(limits.tmp_mb), info_fd=info_fd, seccomp_fd=seccomp_fd)
+        cmd = bwrap_command(guard_argv, uid=pick_uid(), limits=rlimits, network=limits.network,
+                            tmp_bytes=mib(limits.tmp_mb), work_bytes=mib(limits.write_mb), file_fds=file_fds,
+                            info_fd=info_fd, seccomp_fd=seccomp_fd)
         return cmd, box, not limits.network
-    box.mkdir(mode=0o700)
     unshare = network_namespace_command() if not limits.network else []
     cmd = unshare + [sys.executable, "-I", str(box / "_guard.py"), str(box), str(box / "main.py"),
                      "1" if limits.network else "0", _limit_arg(limits)]
@@ -150,11 +152,14 @@ async def _run_in(scratch: Path, code: str, limits: SandboxLimits, files: dict[s
     info_r, info_w = os.pipe() if bwrap else (-1, -1)
     init = NamespaceInit(info_r) if bwrap else None
     seccomp_fd = program_fd() if bwrap else None
-    inherited = tuple(fd for fd in (info_w, seccomp_fd) if fd is not None and fd >= 0)
+    contents = {**files, "_guard.py": GUARD, "main.py": code}
+    file_fds = [(_memfd(name, text), name) for name, text in contents.items()] if bwrap else []
+    inherited = tuple(fd for fd in (info_w, seccomp_fd) if fd is not None and fd >= 0) + tuple(f for f, _ in file_fds)
     try:
-        cmd, box, isolated = _command(scratch, limits, info_w if bwrap else None, seccomp_fd)
-        for name, text in {**files, "_guard.py": GUARD, "main.py": code}.items():
-            (box / name).write_text(text)
+        cmd, box, isolated = _command(scratch, limits, info_w if bwrap else None, seccomp_fd, file_fds)
+        if not bwrap:
+            for name, text in contents.items():
+                (box / name).write_text(text)
         with open(scratch / ".stdout", "wb") as out, open(scratch / ".stderr", "wb") as err:
             proc = await asyncio.create_subprocess_exec(
                 *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=err, cwd=box,
@@ -167,25 +172,51 @@ async def _run_in(scratch: Path, code: str, limits: SandboxLimits, files: dict[s
         for fd in inherited:
             os.close(fd)
     learned = asyncio.ensure_future(asyncio.to_thread(init.learn)) if init else None
-    timed_out = await _wait(proc, init, learned, limits.wall_time_s)
+    stopped_by = await _wait(proc, init, learned, limits)
     returncode = _signal_code(proc.returncode) if bwrap else proc.returncode
     stdout = _read_head(scratch / ".stdout", limits.max_output_bytes)
     stderr = _read_head(scratch / ".stderr", limits.max_output_bytes)
-    limit = _which_limit(returncode, stderr, timed_out)
+    limit = stopped_by or _which_limit(returncode, stderr)
     return SandboxResult(returncode, stdout, stderr, limit, isolated, _read_tail(scratch / ".stdout"),
                          limits.isolation, seccomp_fd is not None)
 
 
-async def _wait(proc, init: Optional[NamespaceInit], learned, wall_time_s: float) -> bool:
-    """Wait for the run up to the wall limit; on return nothing of it is alive. True if it timed out."""
-    timed_out = False
+async def _wait(proc, init: Optional[NamespaceInit], learned, limits: SandboxLimits) -> Optional[str]:
+    """Wait for the run up to the wall limit, checking the file count every QUOTA_POLL_S; on return
+    nothing of it is alive. "wall_time" or "files" when that stopped it, else None."""
+    loop = asyncio.get_running_loop()
+    deadline, stopped_by = loop.time() + limits.wall_time_s, None
+    exited = asyncio.ensure_future(proc.wait())
     try:
-        await asyncio.wait_for(proc.wait(), wall_time_s)
-    except asyncio.TimeoutError:
-        timed_out = True
+        while stopped_by is None:
+            done, _ = await asyncio.wait([exited], timeout=min(QUOTA_POLL_S, max(0.0, deadline - loop.time())))
+            if done:
+                break
+            if _over_quota(init, learned, limits):
+                stopped_by = "files"
+            elif loop.time() >= deadline:
+                stopped_by = "wall_time"
     finally:
         await _stop(proc, init, learned)
-    return timed_out
+    return stopped_by
+
+
+def _over_quota(init: Optional[NamespaceInit], learned, limits: SandboxLimits) -> bool:
+    """More files than limits.max_files in the run's tmpfs mounts. bwrap cannot pass tmpfs's
+    nr_inodes option (only --size), so the count is read from outside every QUOTA_POLL_S and the run
+    killed past it: what one poll interval lets a program create beyond the quota is the slack."""
+    if init is None or not learned.done():
+        return False
+    used = init.files_used()
+    return used is not None and used > limits.max_files
+
+
+def _memfd(name: str, text: str) -> int:
+    """An anonymous in-memory file holding `text`, read from the start by bwrap's --file."""
+    fd = os.memfd_create(f"sao-sandbox-{name}", 0)
+    os.write(fd, text.encode())
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 def _env(limits: SandboxLimits, box: Path) -> dict[str, str]:
@@ -230,9 +261,9 @@ def _killpg(pid: int) -> None:
         pass
 
 
-def _which_limit(returncode: int, stderr: str, timed_out: bool) -> Optional[str]:
-    if timed_out:
-        return "wall_time"
+def _which_limit(returncode: int, stderr: str) -> Optional[str]:
+    if "No space left on device" in stderr:   # the working dir's or /tmp's tmpfs is full
+        return "write_quota"
     if returncode in (-signal.SIGXCPU, -signal.SIGKILL):
         return "cpu_time"
     if returncode == -signal.SIGXFSZ or "File too large" in stderr:

@@ -6,7 +6,8 @@ What the sandboxed process gets (see docs/rollout.md, "Sandbox"):
 - an empty environment (bwrap itself is started with a minimal one too, so not even bwrap's
   pid 1 inside holds the trainer's variables) plus PATH, HOME and single-thread math libraries;
 - a read-only view of /usr (and the /bin, /lib* links) and the Python installation only: no /etc,
-  no home, no project tree; a private writable working dir (/sandbox) and a size-capped /tmp;
+  no home, no project tree; a working dir (/sandbox) and /tmp that are both size-capped tmpfs mounts
+  (nothing a run writes reaches the host disk; the file count is checked from outside, sandbox.py);
 - a new session (no terminal to inject keystrokes into), SIGKILL when bwrap's parent dies;
 - rlimits set by `prlimit` before the interpreter starts: CPU seconds, address space, written-file
   size, processes, open files, no core dumps;
@@ -32,7 +33,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from rollout.sandbox_seccomp import disable, program_fd
 from sao_megatron.core.config.errors import ConfigError
@@ -130,10 +131,13 @@ def rlimit_args(cpu_s: int, as_bytes: int, fsize_bytes: int, nofile: int, nproc:
             f"--nofile={nofile}", f"--nproc={nproc}", "--core=0", "--"]
 
 
-def bwrap_command(box: str, argv: list[str], *, uid: Optional[int], limits: list[str], network: bool,
-                  tmp_bytes: int, info_fd: Optional[int] = None, seccomp_fd: Optional[int] = None) -> list[str]:
+def bwrap_command(argv: list[str], *, uid: Optional[int], limits: list[str], network: bool, tmp_bytes: int,
+                  work_bytes: int, file_fds: Sequence[tuple[int, str]] = (), info_fd: Optional[int] = None,
+                  seccomp_fd: Optional[int] = None) -> list[str]:
     """The full command: bwrap, then (as root) setpriv to `uid`, then prlimit `limits`, then `argv`;
-    bwrap applies the seccomp program read from `seccomp_fd` (sandbox_seccomp.py) to all of it."""
+    bwrap applies the seccomp program read from `seccomp_fd` (sandbox_seccomp.py) to all of it.
+    The working dir is a tmpfs of `work_bytes` (no byte of it reaches the host disk), filled with
+    the (fd, name) pairs of `file_fds` by bwrap itself (--file copies each fd's content)."""
     args = [shutil.which("bwrap") or "bwrap", "--die-with-parent", "--new-session", "--clearenv"]
     args += ["--info-fd", str(info_fd)] if info_fd is not None else []
     args += ["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []
@@ -141,7 +145,11 @@ def bwrap_command(box: str, argv: list[str], *, uid: Optional[int], limits: list
     args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
     # after the private /tmp: an interpreter installed under /tmp (a venv in a checkout there) stays visible
     args += _readonly_binds(_python_roots())
-    args += ["--bind", box, SANDBOX_DIR, "--chdir", SANDBOX_DIR]
+    # 0777: the run's uid (as root, a fresh one) owns nothing here, yet must create and delete files
+    args += ["--perms", "0777", "--size", str(work_bytes), "--tmpfs", SANDBOX_DIR]
+    for fd, name in file_fds:
+        args += ["--perms", "0644", "--file", str(fd), f"{SANDBOX_DIR}/{name}"]
+    args += ["--chdir", SANDBOX_DIR]
     for key, value in ENV.items():
         args += ["--setenv", key, value]
     args.append("--")
@@ -149,13 +157,6 @@ def bwrap_command(box: str, argv: list[str], *, uid: Optional[int], limits: list
         args += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
                  "--bounding-set=-all", "--"]
     return args + limits + argv
-
-
-def prepare_box(box: Path, uid: Optional[int]) -> None:
-    """The working dir, owned by the sandbox's uid (root's files there would be read-only to it)."""
-    box.mkdir(mode=0o700)
-    if uid is not None:
-        os.chown(box, uid, uid)
 
 
 def nproc_for(limit: int) -> int:
@@ -185,13 +186,10 @@ def _probe(seccomp_fd: Optional[int]) -> Optional[str]:
 
     try:
         with tempfile.TemporaryDirectory(prefix="sao-sandbox-probe-") as tmp:
-            uid = pick_uid()
-            box = Path(tmp) / "box"
-            prepare_box(box, uid)
-            cmd = bwrap_command(str(box), ["/usr/bin/true"], uid=uid, network=False, tmp_bytes=1 << 20,
+            cmd = bwrap_command(["/usr/bin/true"], uid=pick_uid(), network=False, tmp_bytes=1 << 20, work_bytes=1 << 20,
                                 limits=rlimit_args(5, 1 << 30, 1 << 20, 64, nproc_for(8)), seccomp_fd=seccomp_fd)
             proc = subprocess.run(cmd, capture_output=True, timeout=60, env=ENV, stdin=subprocess.DEVNULL,
-                                  pass_fds=() if seccomp_fd is None else (seccomp_fd,))
+                                  pass_fds=() if seccomp_fd is None else (seccomp_fd,), cwd=tmp)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"bwrap did not run ({exc})"
     finally:
@@ -221,6 +219,7 @@ class NamespaceInit:
     def __init__(self, read_fd: int):
         self.read_fd = read_fd
         self.pidfd: Optional[int] = None
+        self.child_pid = 0
 
     def learn(self) -> None:
         """Blocking: read bwrap's --info-fd JSON (EOF when bwrap closes it) and open a pidfd on pid 1."""
@@ -229,9 +228,21 @@ class NamespaceInit:
             for chunk in iter(lambda: fh.read1(4096), b""):
                 data += chunk
         try:
-            self.pidfd = os.pidfd_open(int(json.loads(data)["child-pid"]))
+            self.child_pid = int(json.loads(data)["child-pid"])
+            self.pidfd = os.pidfd_open(self.child_pid)
         except (ValueError, KeyError, ProcessLookupError):
             self.pidfd = None       # bwrap failed before starting it, or it is gone already (reaped)
+
+    def files_used(self) -> Optional[int]:
+        """Inodes in use in the run's two tmpfs mounts (working dir and /tmp), read through pid 1's root;
+        None when that is not readable (pid 1 gone, or not yet known)."""
+        if self.pidfd is None:
+            return None
+        try:
+            stats = [os.statvfs(f"/proc/{self.child_pid}/root{mount}") for mount in (SANDBOX_DIR, "/tmp")]
+        except OSError:
+            return None
+        return sum(st.f_files - st.f_ffree for st in stats)
 
     def kill(self) -> None:
         if self.pidfd is not None:
