@@ -10,7 +10,9 @@ transformers configuration class; totals checked against the advertised sizes in
 - GQA attention: H·nh·hd + 2·H·nkv·hd + nh·hd·H (+ q/k/v bias nh·hd + 2·nkv·hd) (+ q/k norm 2·hd).
 - MLA: H·qr + qr + qr·nh·(nope+rope) + H·(kvr+rope) + kvr + kvr·nh·(nope+v) + nh·v·H
   (the two lone terms are the q_a / kv_a latent RMSNorms).
-- DSA indexer (GLM-5): qr·ih·id + H·id + H·ih + 2·id (wq_b, wk, weights_proj, k LayerNorm w+b).
+- DSA indexer (GLM-5): qr·ih·id + H·id + H·ih + 2·id (wq_b, wk, weights_proj, k LayerNorm w+b), in the layers
+  that run their own indexer ("full" in indexer_types) and in MTP layers; a "shared" layer reuses the previous
+  full layer's selection and has none (transformers modeling_glm_moe_dsa.py:332-333; SGLang deepseek_v2.py:2117).
 - MoE layer: routed E·3·H·Fm, shared S·3·H·Fm, router E·H (+E correction bias for sigmoid routers).
 - Norms: 2·H per layer plus the final H.
 - MTP layer (DeepSeek/GLM style): a full decoder layer + enorm H + hnorm H + eh_proj 2H·H + head norm H;
@@ -23,6 +25,7 @@ import copy
 from dataclasses import dataclass, fields
 
 from checkpoints.arch import BY_MODEL_TYPE, named_shapes
+from checkpoints.arch.glm5 import indexer_types
 from sao_megatron.core.shape import is_mla
 from sao_megatron.core.shape import routed_experts as num_experts
 
@@ -103,11 +106,21 @@ def indexer_params(cfg: dict) -> int:
     return cfg["q_lora_rank"] * ih * idim + h * idim + h * ih + 2 * idim
 
 
-def layer_params(cfg: dict, layer: int, mtp: bool = False) -> LayerParams:
+def indexer_layers(cfg: dict) -> list[bool]:
+    """Per decoder layer: runs its own DSA indexer (a "full" layer of indexer_types)."""
+    if not cfg.get("index_n_heads"):
+        return [False] * cfg["num_hidden_layers"]
+    return [kind == "full" for kind in indexer_types(cfg)]
+
+
+def layer_params(cfg: dict, layer: int, mtp: bool = False, own_indexer: bool | None = None) -> LayerParams:
     """Parameters of decoder layer `layer` (MTP layers are MoE layers with the MTP extras)."""
     h = cfg["hidden_size"]
     attn, attn_norms = attention_params(cfg)
-    parts = dict(attention=attn, attention_norms=attn_norms, indexer=indexer_params(cfg), norms=2 * h)
+    if own_indexer is None:
+        own_indexer = mtp or indexer_layers(cfg)[layer]
+    parts = dict(attention=attn, attention_norms=attn_norms, indexer=indexer_params(cfg) if own_indexer else 0,
+                 norms=2 * h)
     if mtp or is_moe_layer(cfg, layer):
         e, fm, k = num_experts(cfg), cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
         shared = cfg.get("n_shared_experts") or 0
@@ -122,14 +135,15 @@ def layer_params(cfg: dict, layer: int, mtp: bool = False) -> LayerParams:
 
 
 def all_layers(cfg: dict, include_mtp: bool = False) -> list[LayerParams]:
-    # All dense layers are alike and so are all MoE layers: count each kind once (the planner calls this often).
-    kinds: dict[bool, LayerParams] = {}
+    # Layers of one kind (dense or MoE, own indexer or not) are alike: count each kind once (the planner calls
+    # this often).
+    kinds: dict[tuple[bool, bool], LayerParams] = {}
     layers = []
-    for i in range(cfg["num_hidden_layers"]):
-        moe = is_moe_layer(cfg, i)
-        if moe not in kinds:
-            kinds[moe] = layer_params(cfg, i)
-        layers.append(kinds[moe])
+    for i, own_indexer in enumerate(indexer_layers(cfg)):
+        kind = (is_moe_layer(cfg, i), own_indexer)
+        if kind not in kinds:
+            kinds[kind] = layer_params(cfg, i, own_indexer=own_indexer)
+        layers.append(kinds[kind])
     if include_mtp:
         layers += [layer_params(cfg, cfg["num_hidden_layers"] + i, mtp=True)
                    for i in range(cfg.get("num_nextn_predict_layers") or 0)]

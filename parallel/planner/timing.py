@@ -8,7 +8,8 @@ Formulas (docs/cluster.md, "Step time", says where each number comes from):
   (DSA reads the indexer keys of the whole context and the latents of the top-k tokens only).
 - rollout of a step = batch · response / (engines · B / decode step) + prefill; a synchronous step
   also waits for its longest sample: + (max_new_tokens - response) decode steps at batch 1.
-- train = forward FLOPs per token · tokens · passes / (GPUs · bf16 peak · TRAIN_MFU [· FP8 speed-up])
+- train = forward FLOPs per token · tokens · passes / (GPUs · bf16 peak · TRAIN_MFU [· FP8 speed-up]); for DSA
+  models with the attention dense, as the trainer computes it (masked), plus the indexer's scoring
   · (1 + pipeline bubble (pp-1)/(vpp · micro-batches)); passes: policy 3 (+1 full recompute, +1 per
   logprob forward), critic 1 (values) + K · (3 [+1]); plus optimizer offload (PCIe, CPU Adam) and critic swap.
 - step: asynchronous with its own rollout GPUs = max(rollout, train) + sync (the engines pause for the
@@ -19,8 +20,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..model_shapes import count_parameters, embedding_params, head_params, is_mla, is_moe_layer, num_experts
-from .engine import kv_bytes_per_token
+from ..model_shapes import (count_parameters, embedding_params, head_params, is_mla, is_moe_layer, num_experts,
+                            indexer_layers)
+from .engine import index_key_bytes, kv_bytes_per_token
 from .hardware import (CPU_ADAM_PARAMS_PER_S, DECODE_HBM_EFF, FP8_TRAIN_SPEEDUP, PCIE_BYTES, PREFILL_MFU, TRAIN_MFU,
                        ep_all_to_all_seconds, gpu_spec)
 from .sync_time import SyncTime, sync_time
@@ -76,11 +78,12 @@ def _mean_context(work: Workload) -> float:
 
 
 def kv_read_bytes(cfg: dict, context: float, attn_tp: int, kv_bytes: int) -> float:
-    """KV bytes one GPU reads per decode step for one sequence of `context` tokens."""
+    """KV bytes one GPU reads per decode step for one sequence of `context` tokens: DSA scores the index keys
+    of the whole context and reads the latents of its top-k tokens only."""
     per_token = kv_bytes_per_token(cfg, attn_tp, kv_bytes)
     if not cfg.get("index_topk"):
         return per_token * context
-    index = (cfg["index_head_dim"] + 4) * cfg["num_hidden_layers"]
+    index = index_key_bytes(cfg)
     return index * context + (per_token - index) * min(context, cfg["index_topk"])
 
 
@@ -126,21 +129,37 @@ def rollout_seconds(plan, work: Workload) -> tuple[float, float, float]:
     return seconds, step, batch
 
 
-def forward_flops_per_token(cfg: dict, seq_len: float) -> float:
-    """Forward FLOPs per token: 2 · active parameters (the head's matmul, not the embedding lookup)
-    plus causal attention over a mean seq_len/2 earlier tokens (DSA: its top-k, plus the indexer)."""
+def forward_flops_per_token(cfg: dict, seq_len: float, sparse_attention: bool = True) -> float:
+    """Forward FLOPs per token of a sequence of seq_len tokens: 2 · active parameters (the head's matmul, not
+    the embedding lookup) plus causal attention, a mean of seq_len/2 earlier keys per query.
+
+    DSA (index_topk): a query at position x attends min(x, k) keys, a mean over the sequence of
+    mean_sparse_keys(seq_len, k); each layer with its own indexer also scores every earlier key,
+    2 · ih · (id + 1) FLOPs per key (q_h · k in each indexer head, then the weighted sum of the heads:
+    transformers modeling_glm_moe_dsa.py:185-242). `sparse_attention=False` counts the attention dense, as a
+    masked implementation computes it (the trainer's: parallel/mla_attention.py)."""
     counts = count_parameters(cfg)
     flops = 2 * (counts.active - embedding_params(cfg))
-    nh = cfg["num_attention_heads"]
+    nh, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
     if is_mla(cfg):
         dqk, dv = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     else:
         dqk = dv = cfg.get("head_dim") or cfg["hidden_size"] // nh
     attended = seq_len / 2
     if cfg.get("index_topk"):
-        flops += 2 * cfg["index_n_heads"] * cfg["index_head_dim"] * attended * cfg["num_hidden_layers"]
-        attended = min(attended, cfg["index_topk"])
-    return flops + 2 * nh * (dqk + dv) * attended * cfg["num_hidden_layers"]
+        own = sum(indexer_layers(cfg))
+        flops += own * 2 * cfg["index_n_heads"] * (cfg["index_head_dim"] + 1) * attended
+        if sparse_attention:
+            attended = mean_sparse_keys(seq_len, cfg["index_topk"])
+    return flops + 2 * nh * (dqk + dv) * attended * layers
+
+
+def mean_sparse_keys(seq_len: float, topk: int) -> float:
+    """Mean of min(x, topk) over query positions x uniform in [0, seq_len]: seq_len/2 up to topk tokens,
+    then topk - topk^2 / (2 seq_len)."""
+    if seq_len <= topk:
+        return seq_len / 2
+    return topk - topk * topk / (2 * seq_len)
 
 
 def train_seconds(plan, work: Workload) -> tuple[float, float, float]:
@@ -149,7 +168,7 @@ def train_seconds(plan, work: Workload) -> tuple[float, float, float]:
     spec = gpu_spec(inp.gpu.name)
     seq = work.prompt_tokens + work.response_tokens
     tokens = work.batch_size * seq
-    fwd = forward_flops_per_token(inp.cfg, seq) * tokens
+    fwd = forward_flops_per_token(inp.cfg, seq, sparse_attention=False) * tokens   # the trainer masks dense scores
     recompute = 1 if inp.train.recompute == "full" else 0
     passes = 3 + recompute + work.logprob_passes
     if work.critic_updates:

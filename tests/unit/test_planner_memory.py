@@ -126,7 +126,8 @@ def test_local_kernels_store_the_attention_scores_of_each_row():
 def test_kv_cache_per_token_mla_vs_gqa():
     glm5 = get_shape("glm5-744b-a40b")
     assert kv_bytes_per_token(glm5, 1, 2) == 78 * ((512 + 64) * 2 + 128 + 4)   # latent + indexer key
-    assert kv_bytes_per_token(glm5, 1, 1) == 78 * ((512 + 64) + 128 + 4)       # fp8 KV
+    # fp8 KV of a DSA model: fp8 latent + a fp32 scale per 128 channels + bf16 rope (SGLang's DSA layout)
+    assert kv_bytes_per_token(glm5, 1, 1) == 78 * ((512 + 512 // 128 * 4 + 64 * 2) + 128 + 4)
     qwen = get_shape("qwen3-30b-a3b")
     assert kv_bytes_per_token(qwen, 4, 2) == 48 * 2 * 1 * 128 * 2              # 4 kv heads over attn-tp 4
 
