@@ -186,8 +186,10 @@ def _build_policy(recipe: Recipe):
 
 def _build_sink(recipe: Recipe):
     from sao_megatron.metrics import build_metric_sink
+    from sao_megatron.metrics.rewind import rewind_metrics
 
     sft_dir = recipe.run_dir / "sft"
+    rewind_metrics(sft_dir, 0, "")   # SFT always starts at step 1: rows of an earlier, unfinished SFT go
     return build_metric_sink(recipe.logging, f"{recipe.run.name}-sft", sft_dir, recipe.sft.steps, recipe.to_dict())
 
 

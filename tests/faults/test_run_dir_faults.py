@@ -239,3 +239,16 @@ def test_wandb_resumes_its_run_unless_the_resume_cut_rows_then_logs_to_a_new_one
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
     _, new = _sink_for(tmp_path, str(ckpt), wandb=True)            # step 3 is cut: wandb could not go back
     assert same == first and new not in ("", first) and (run_dir / "wandb_run_id").read_text() == new
+
+
+def test_an_sft_that_starts_again_cuts_the_rows_of_the_earlier_one(tmp_path, capsys):
+    from sao_megatron.core.config import load_recipe
+    from sao_megatron.trainer.sft import _build_sink
+
+    recipe = load_recipe(None, [f"run.output_dir='{tmp_path}'", "run.name='r'", "model.path='unused'",
+                                "logging.wandb=false", "logging.console=false"], check_files=False)
+    (recipe.run_dir / "sft").mkdir(parents=True)
+    (recipe.run_dir / "sft" / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    _build_sink(recipe).close()
+    assert (recipe.run_dir / "sft" / "metrics.jsonl").read_text() == ""
+    assert "cut 2 row(s)" in capsys.readouterr().err
