@@ -52,6 +52,17 @@ def test_metrics_carry_the_field_names(trained):
     assert "train/pg_clipfrac" not in rows[0]  # step 1 is a critic-only warm-up step
 
 
+def test_every_row_says_where_the_time_went_and_the_engines_load(trained):
+    speed = ["perf/time/rollout_wait_s", "perf/time/logprobs_s", "perf/time/critic_s", "perf/time/policy_s",
+             "perf/time/weight_sync_s", "perf/tokens_per_s", "perf/train_tflops", "perf/pad_fraction",
+             "rollout/stale_drop_rate", "engine/running_requests", "engine/queued_requests", "engine/kv_usage"]
+    rows = _rows(trained / "e2e")
+    for row in rows:
+        assert all(key in row for key in speed), [key for key in speed if key not in row]
+    assert rows[0]["perf/time/policy_s"] == 0.0 and rows[1]["perf/time/policy_s"] > 0   # step 1: critic warm-up
+    assert all(row["perf/time/critic_s"] > 0 and row["perf/tokens_per_s"] > 0 for row in rows)
+
+
 def test_on_policy_first_step_is_exact(trained):
     first_policy_step = _rows(trained / "e2e")[1]
     # Samples of weight version 0 trained on version-0 weights: the engine's logprobs and routes are
