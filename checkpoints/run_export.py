@@ -25,8 +25,8 @@ from typing import Iterable
 import torch
 
 from .hf_io import INDEX, SINGLE, save_hf_checkpoint
-from .manifest import read_manifest
-from .run_state import LATEST, PREFIX
+from .manifest import CheckpointCorruptError
+from .run_state import LATEST, PREFIX, RunCheckpointer
 
 RECIPE = "resolved_recipe.toml"
 MARKER = "sao_export.json"      # what an export directory was made from; written last, so its presence means whole
@@ -70,12 +70,15 @@ def find_run_checkpoint(path: str | os.PathLike) -> RunCheckpoint:
         path = path.parent / path.read_text().strip()
     elif (path / "checkpoints").is_dir() and not (path / "manifest.json").exists():
         path = path / "checkpoints"
-    if path.is_dir() and not (path / "manifest.json").exists() and (path / LATEST).is_file():
-        path = path / (path / LATEST).read_text().strip()
+    if path.is_dir() and not (path / "manifest.json").exists():
+        path = RunCheckpointer(path, rank=0, world_size=1).latest() or path   # the `latest` pointer, else the newest
     if not (path / "manifest.json").is_file():
         raise NotARunCheckpoint(f"{path} is not a run checkpoint (no manifest.json; a run writes them under "
                                 "runs/NAME/checkpoints/step_N)")
-    top = read_manifest(path / "manifest.json", "")
+    try:   # every file's size and checksum, as a resume checks them, before any model is built
+        top = RunCheckpointer(path.parent, rank=0, world_size=1, barrier=lambda: None).verify_whole(path)
+    except CheckpointCorruptError as err:
+        raise ValueError(f"{err}; fix: export another checkpoint (an earlier step_N)") from None
     run_dir = path.resolve().parent.parent
     if not (run_dir / RECIPE).is_file():
         raise NotARunCheckpoint(f"{run_dir / RECIPE} not found: the checkpoint {path} must sit in its run directory "

@@ -155,3 +155,22 @@ def test_eval_refuses_a_checkpoint_that_is_neither(tmp_path, capsys):
     assert main(["eval", str(tmp_path / "r.toml"), "--checkpoint", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "not a run checkpoint" in err and "HF model directory" in err
+
+
+def test_export_refuses_a_corrupted_checkpoint_naming_the_file(exported, tmp_path, capsys):
+    import shutil
+
+    from sao_megatron.cli.main import main
+
+    run_dir, _ = exported
+    copy = tmp_path / "runs" / "t"
+    shutil.copytree(run_dir / "checkpoints", copy / "checkpoints")
+    shutil.copy(run_dir / "resolved_recipe.toml", copy)
+    shard = next(p for p in sorted((copy / "checkpoints" / "step_00000001" / "policy").rglob("*")) if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert main(["export", str(copy), str(tmp_path / "out")]) == 2   # runs/NAME: its newest checkpoint, step 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and shard.name in err and "step_N" in err
+    assert not (tmp_path / "out").exists()
