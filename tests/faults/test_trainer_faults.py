@@ -493,17 +493,20 @@ def _sao_train(tmp, *overrides, env=None, after=(), session=False) -> subprocess
 def test_sao_train_sigterm_during_collection_saves_and_exits_0(tmp_path, sig):
     marker = tmp_path / "collecting"
     proc = _sao_train(tmp_path, "rollout.reward_fn='tests.faults.fault_rewards:hang_after_marking'",
-                      "rollout.reward_timeout_s=3600", env={"SAO_FAULT_MARKER": str(marker)})
+                      "rollout.reward_timeout_s=3600", env={"SAO_FAULT_MARKER": str(marker)}, session=True)
     try:
         deadline = time.monotonic() + 600
         while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert marker.exists(), proc.communicate(timeout=60)[1][-3000:]
-        proc.send_signal(sig)
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)   # Ctrl-C: the terminal signals the whole group, the engine too
+        else:
+            proc.send_signal(sig)
         _, err = proc.communicate(timeout=GENEROUS_S)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, err[-3000:]
     assert f"done: stopped by {sig.name} during collection after step 0, checkpoint saved" in err
     ckpt = tmp_path / "e2e" / "checkpoints"
