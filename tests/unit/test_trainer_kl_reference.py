@@ -123,3 +123,14 @@ def test_warmup_then_cosine_decay_shows_in_train_lr_and_a_resume_continues_it(ti
     saved.write_text(json.dumps(first.state_dict()))
     rows, _ = _run(tiny_model_dir, tmp_path / "resumed", steps, *schedule, stop_after=3, resume_dir=saved)
     assert [row["train/lr"] for row in rows[-3:]] == pytest.approx([expected(k) for k in (4, 5, 6)])
+
+
+def test_the_critic_runs_its_own_schedule_over_its_updates(tiny_model_dir, tmp_path):
+    # 3 steps x 2 critic updates = 6 critic optimizer steps, linear from 0.01 to 0.002 with no warm-up;
+    # a step logs its last update's lr: optimizer steps 2, 4, 6 -> lr_min + (lr - lr_min) * (1 - k / 6)
+    rows, state = _run(tiny_model_dir, tmp_path, 3, "algorithm.name='sao'", "critic.warmup_steps=0",
+                       "critic.updates_per_step=2", "critic.lr=0.01", "critic.lr_schedule='linear'",
+                       "critic.lr_min=0.002")
+    assert [row["critic/lr"] for row in rows] == pytest.approx([0.002 + 0.008 * (1 - k / 6) for k in (2, 4, 6)])
+    assert [row["train/lr"] for row in rows] == pytest.approx([0.01] * 3)   # the policy's stays constant
+    assert state.lr_steps == {"critic": 6, "policy": 3}
