@@ -28,6 +28,17 @@ def quiet_missing_kernel_warnings() -> None:
     warnings.filterwarnings("ignore", message=MISSING_KERNEL_WARNINGS)
 
 
+def missing_kernels_note(cuda: bool) -> str:
+    """One line for a GPU run without Transformer Engine (slower kernels, no FP8), else ''. On a CPU the
+    local kernels are the expected path and nothing is said."""
+    import importlib.util
+
+    if not cuda or importlib.util.find_spec("transformer_engine") is not None:
+        return ""
+    return ("sao: Transformer Engine is not installed: Megatron runs its local kernels on this GPU (slower, no FP8); "
+            "`sao doctor` explains")
+
+
 def _is_terminal(stream) -> bool:
     return bool(getattr(stream, "isatty", lambda: False)()) and sys.stdout.isatty()
 
@@ -58,6 +69,11 @@ class StartupPhases:
         self._line(f"sao: {name} ...")
         yield
         self._line(f"sao: {name} done ({time.monotonic() - started:.1f} s)")
+
+    def note(self, text: str) -> None:
+        """A one-line remark among the phases (nothing when disabled or empty)."""
+        if self.enabled and text:
+            self._line(text)
 
     def _line(self, text: str) -> None:
         self.stream.write(text + "\n")

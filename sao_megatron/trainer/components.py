@@ -49,11 +49,12 @@ class Components:
 async def build_components(recipe: Recipe, rank: int = 0, world_size: int = 1) -> AsyncIterator[Components]:
     """Build every component; on the way out (or when a later one fails to build) stop what was built:
     the sample source, then the engines, then the sink."""
-    from sao_megatron.metrics.console import StartupPhases, quiet_missing_kernel_warnings
+    from sao_megatron.metrics.console import StartupPhases, missing_kernels_note, quiet_missing_kernel_warnings
 
     _seed_everything(recipe.run.seed + rank)
     quiet_missing_kernel_warnings()   # before Megatron is first imported; `sao doctor` explains them
     phases = StartupPhases(enabled=rank == 0 and recipe.logging.console)
+    phases.note(missing_kernels_note(torch.cuda.is_available()))   # once per run, and only where it costs speed
     debug = recipe.run.debug
     async with contextlib.AsyncExitStack() as stack:
         with phases.phase("building models"):

@@ -71,3 +71,18 @@ def test_megatrons_missing_kernel_warnings_are_hidden_in_a_run(text):
         warnings.warn(text, UserWarning)
         warnings.warn("an unrelated warning", UserWarning)
     assert [str(w.message) for w in caught] == ["an unrelated warning"]
+
+
+def test_a_gpu_run_without_transformer_engine_gets_one_line_a_cpu_run_none(monkeypatch):
+    import importlib.util
+
+    from sao_megatron.metrics.console import missing_kernels_note
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert missing_kernels_note(cuda=False) == ""
+    note = missing_kernels_note(cuda=True)
+    assert "Transformer Engine is not installed" in note and "sao doctor" in note and "\n" not in note
+    stream = io.StringIO()
+    StartupPhases(stream=stream).note(note)
+    StartupPhases(enabled=False, stream=stream).note(note)
+    assert stream.getvalue() == note + "\n"
