@@ -39,7 +39,7 @@ from rollout.sandbox_guard import GUARD
 from rollout.sandbox_seccomp import program_fd
 
 ISOLATIONS = ("bwrap", UNSAFE)
-TAIL_BYTES = 4096
+TAIL_BYTES = 64 * 1024   # the code reward's results line is read from here
 QUOTA_POLL_S = 0.02
 __all__ = ["ISOLATIONS", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "run_python",
            "network_namespace_available"]
@@ -81,7 +81,7 @@ class SandboxResult:
     stderr: str
     limit: Optional[str] = None        # "wall_time" | "cpu_time" | "memory" | "file_size" | "write_quota" | "files"
     network_isolated: bool = False     # the run had no network (own namespace)
-    stdout_tail: str = ""              # the last 4 KiB of stdout, however long it was
+    stdout_tail: str = ""              # the last 64 KiB of stdout, however long it was
     isolation: str = "bwrap"
     seccomp: bool = False              # the run had the seccomp filter (bwrap with libseccomp here)
 

@@ -1,23 +1,20 @@
 """Code-execution reward: run the response's program, then the label's tests, in the sandbox.
 
 The program is the last ```python fenced block of the response (or the whole response when there is
-none); the label holds test code (e.g. asserts). Reward 1.0 only when the tests ran to their end: a
-harness prints a random per-call sentinel after the last test statement, and the reward looks for
-that exact line. The exit code is not trusted: ``sys.exit(0)``, ``os._exit(0)``, killing the
-runner, an exception swallowed at exit or printing something that looks like a sentinel all score 0.
-``reward_info`` says which sandbox limit was hit and the last stderr line.
+none); the label holds test code: top-level asserts (``assert add(2, 3) == 5``) and the statements
+they need. The tests are compared OUTSIDE the untrusted interpreter (code_checks.py): the sandbox
+evaluates the asserted expressions after the program and sends their values back as plain data,
+and this process compares them with the literal expected values, which never enter the sandbox.
+Reward 1.0 only when every check holds: an exit before the tests end (``sys.exit(0)``,
+``os._exit(0)``, killing the runner), an object whose ``__eq__`` always returns True, a printed
+look-alike of the results line and frame or gc introspection all score 0. ``reward_info`` says
+which sandbox limit was hit and why a check failed.
 
-How the sentinel stays out of the program's reach: it is made here (``secrets``), written to a file
-in the run's working dir that the harness reads and deletes before the program runs (it is never in
-argv, the environment or the source); the tests are compiled before the program runs and run in
-their own ``exec`` with ``exec``/``compile``/``os.write`` bound before the program could replace
-them, so a program that redefines builtins or ends in an unclosed string cannot skip them.
-
-Residual risk (the program and the tests share one interpreter, so this is not a boundary): code
-written to attack this harness can still read the sentinel from the harness's frame
-(``sys._getframe(1).f_locals``), from ``gc`` or ``/proc/self/mem``, or install a trace function that
-jumps over the remaining asserts. That takes deliberate introspection of this file's internals, shows
-in the response text, and stays inside the OS sandbox; it is not stopped here.
+The sentinel harness below (a random line printed after the tests, in the same interpreter) is kept
+for the code-repair eval's hidden tests (sao_megatron/evaluation/code_repair.py), whose tests are
+whole files, not top-level asserts. Its residual risk: code written against it can read the sentinel
+from the harness's frame (``sys._getframe(1).f_locals``), from ``gc`` or ``/proc/self/mem``, or
+install a trace function that jumps over the remaining asserts; it stays inside the OS sandbox.
 """
 from __future__ import annotations
 
@@ -29,6 +26,8 @@ from typing import Optional
 from rollout.sandbox import SandboxLimits, SandboxResult, run_python
 from rollout.sandbox_bwrap import require_bwrap
 from sao_megatron.core.records import Sample
+
+from .code_checks import harness_script as checks_script, parse_tests, read_results, score
 
 FENCE = re.compile(r"```(?:python|py)?\n(.*?)```", re.DOTALL)
 NONCE_FILE = ".sao_sentinel"
@@ -95,13 +94,17 @@ class CodeReward:
     async def __call__(self, sample: Sample, limits: Optional[SandboxLimits] = None) -> dict:
         if not isinstance(sample.label, str):
             raise ValueError(f"sample {sample.uid}: code rewards need test code (a string) as the label")
-        sentinel = new_sentinel()
-        script = harness_script(extract_program(sample.response_text), sample.label)
-        result = await run_python(script, limits or self.limits, files={NONCE_FILE: sentinel})
-        passed = tests_ran_to_the_end(result, sentinel)
-        last_err = result.stderr.strip().splitlines()[-1:] or [""]
-        error = last_err[0][:200] if last_err[0] or passed else "the tests did not run to the end"
-        return {"reward": 1.0 if passed else 0.0, "limit": result.limit or "", "error": error,
+        try:
+            plan = parse_tests(sample.label)
+        except ValueError as err:
+            raise ValueError(f"sample {sample.uid}: {err}") from None
+        script = checks_script(extract_program(sample.response_text), plan)
+        result = await run_python(script, limits or self.limits)
+        results = read_results(result.stdout_tail) if result.limit is None else None
+        passed, why = score(plan, results) if results is not None else (False, "the tests did not run to the end")
+        last_err = (result.stderr.strip().splitlines()[-1:] or [""])[0]
+        error = "" if passed else (why if results is not None or not last_err else last_err)
+        return {"reward": 1.0 if passed else 0.0, "limit": result.limit or "", "error": error[:200],
                 "network_isolated": result.network_isolated}
 
 
