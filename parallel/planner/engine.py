@@ -11,7 +11,7 @@ from ..model_shapes import count_parameters, embedding_params, is_mla, indexer_l
 class EngineOptions:
     tp: int = 1                 # GPUs per engine (SGLang --tp-size)
     ep: int = 1                 # --ep-size (experts are split over all tp GPUs either way)
-    dp_attention: int = 0       # --dp-size with --enable-dp-attention (0 = off)
+    dp_attention: int = 0       # --attn-dp-size (0 = off)
     mem_fraction: float = 0.7   # --mem-fraction-static
     fp8_weights: bool = False
     kv_dtype: str = "bf16"      # bf16 | fp8

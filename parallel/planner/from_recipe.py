@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from rollout.sglang_launcher import has_indexer
+
 from .engine import EngineOptions
 from .hardware import GPUS
 from .layouts import Layout
@@ -49,12 +51,15 @@ def plan_input_from_recipe(recipe, gpus: int = 0, gpu: str = "h100", **options) 
                          optimizer_offload=par.optimizer_offload if options.get("optimizer_offload") is None
                          else options.pop("optimizer_offload"))
     options.pop("optimizer_offload", None)
-    engine = EngineOptions(tp=roll.engine_tp, ep=roll.engine_ep, dp_attention=roll.engine_dp_attention,
+    cfg = model_config_of(recipe)
+    # the launcher's rule: a DSA model's engines run DP attention across the engine (rollout/sglang_launcher.py)
+    dp_attention = roll.engine_dp_attention or (roll.engine_tp if has_indexer(cfg) and roll.engine_tp > 1 else 0)
+    engine = EngineOptions(tp=roll.engine_tp, ep=roll.engine_ep, dp_attention=dp_attention,
                            mem_fraction=roll.mem_fraction, fp8_weights=roll.engine_fp8,
                            kv_dtype=options.pop("kv_dtype", "bf16"), include_mtp=options.pop("include_mtp", False))
     layout = Layout(tp=par.tp, pp=par.pp, ep=par.ep, etp=par.etp or par.tp, cp=par.cp, vpp=par.vpp,
                     last_stage_layers=par.last_stage_layers)
-    return PlanInput(cfg=model_config_of(recipe), gpus=gpus, gpu=GPUS[gpu], gpus_per_node=per_node,
+    return PlanInput(cfg=cfg, gpus=gpus, gpu=GPUS[gpu], gpus_per_node=per_node,
                      rollout_gpus=launch.rollout_nodes * per_node, layout=layout, train=train, engine=engine,
                      critic=recipe.critic.enabled, freeze_attention=recipe.critic.freeze_attention,
                      sequence_tokens=roll.max_prompt_len + roll.max_new_tokens, max_in_flight=roll.max_in_flight,

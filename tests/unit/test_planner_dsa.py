@@ -62,3 +62,15 @@ def test_engine_cache_holds_index_keys_of_indexer_layers_only():
     assert kv_bytes_per_token(CFG, 1, 1) == 3 * latent_fp8 + index == 684
     # decode scores the index keys of all 10 tokens and reads latents of its top 4
     assert kv_read_bytes(CFG, 10, 1, 2) == index * 10 + 3 * latent_bf16 * 4 == 5808
+
+
+def test_plan_of_a_dsa_recipe_uses_the_launchers_dp_attention(tmp_path):
+    """engine_dp_attention 0 on a DSA model: the launcher runs DP attention across the engine, so does the plan."""
+    from parallel.planner.from_recipe import plan_input_from_recipe
+    from sao_megatron.core.config.recipe import load_recipe
+
+    path = tmp_path / "r.toml"
+    for preset, expected in (("glm5-744b-a40b", 8), ("deepseek-v3", 0)):
+        path.write_text(f'[model]\npath = "/nowhere"\nshape_preset = "{preset}"\n'
+                        '[rollout]\nengine = "sglang"\nengine_tp = 8\nengine_ep = 8\n')
+        assert plan_input_from_recipe(load_recipe(path, [], check_files=False)).engine.dp_attention == expected
