@@ -71,12 +71,15 @@ def engine_command(recipe, slot: EngineSlot, head_host: str = "$HEAD_HOST") -> l
     SGLang reads the --config file $SAO_ENGINE_OPTIONS that the node script writes from it."""
     python = recipe.launch.python
     model_path = recipe.rollout.engine_model_path or recipe.model.path   # a block-FP8 one for SGLang FP8
+    from rollout.sglang_launcher import build_sglang_command, engine_model_config, has_indexer, sglang_args
+
     if recipe.rollout.engine == "reference":
         fp8 = ["--quantization", "fp8"] if recipe.rollout.engine_fp8 else []   # FP8 blocks in, as SGLang's
+        # indexer replay: the server answers return_indexer_topk only with SGLang's flag of that name
+        indexer = ["--enable-return-indexer-topk"] if has_indexer(engine_model_config(recipe)) else []
         return [python, "-m", "sao_megatron.cli.main", "serve", "--model", model_path, "--host", "$ENGINE_HOST",
                 "--port", str(slot.port), "--seed", str(recipe.run.seed + slot.engine),
-                "--tp", str(recipe.rollout.engine_tp)] + fp8   # weight-update ranks, as the trainer counts them
-    from rollout.sglang_launcher import build_sglang_command, sglang_args
+                "--tp", str(recipe.rollout.engine_tp)] + fp8 + indexer   # tp: weight-update ranks, as the trainer counts them
 
     extra: tuple[str, ...] = ()
     if slot.nnodes > 1:

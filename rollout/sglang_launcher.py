@@ -116,8 +116,8 @@ def has_indexer(hf: dict) -> bool:
 
 
 def engine_model_config(recipe) -> dict:
-    """config.json of the engines' model, else (a job rendered where the model is not) the recipe's named
-    shape, else {}."""
+    """config.json of the engines' model, else (a job rendered where the model is not yet) the recipe's named
+    shape or init-model preset, else {}."""
     model_path = recipe.rollout.engine_model_path or str(recipe.model.path)
     path = Path(model_path) / "config.json"
     if path.is_file():
@@ -125,7 +125,9 @@ def engine_model_config(recipe) -> dict:
     from checkpoints.arch import ARCHS
 
     family = ARCHS.get(recipe.model.arch)
-    return dict(family.shapes.get(recipe.model.shape_preset, {})) if family else {}
+    if family is None:
+        return {}
+    return dict(family.shapes.get(recipe.model.shape_preset) or family.presets.get(recipe.model.init_preset) or {})
 
 
 def sglang_args(recipe, engine: int, *, host: str, port: int, base_gpu_id: int, api_key: str = "",

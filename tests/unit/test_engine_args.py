@@ -113,3 +113,30 @@ def test_launch_script_guards_fp8_engines(tmp_path):
     assert guard < script.index("sglang.launch_server")
     recipe.rollout.engine_fp8 = False
     assert "fp8_gpu_guard" not in rollout_node_script(recipe, 0)
+
+
+def test_cpu_rollout_nodes_serve_dsa_models_with_indexer_topk(tmp_path):
+    """`sao launch` on CPU runs the reference server; it answers return_indexer_topk only with the flag, as SGLang."""
+    import argparse
+
+    from rollout.reference_server.server import add_arguments   # `sao serve`'s parser takes the flag
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+
+    slot = EngineSlot(0, 0, 0, 0, 1, 0, 30000)
+    for hf, flagged in (({"model_type": "glm_moe_dsa"}, True), ({"model_type": "qwen3_moe"}, False)):
+        recipe = _recipe(tmp_path, "", hf)
+        recipe.rollout.engine = "reference"
+        argv = engine_command(recipe, slot)
+        assert ("--enable-return-indexer-topk" in argv) == flagged
+        assert parser.parse_args(argv[argv.index("serve") + 1:]).enable_return_indexer_topk == flagged
+
+
+def test_a_model_made_at_start_is_recognised_by_its_preset(tmp_path):
+    """model.path without config.json yet (init_preset: `sao train` makes it): the family's preset decides."""
+    from rollout.sglang_launcher import engine_model_config, has_indexer
+
+    path = tmp_path / "r.toml"
+    for arch, indexer in (("glm5", True), ("qwen3_moe", False)):
+        path.write_text(f'[model]\npath = "{tmp_path}/later"\narch = "{arch}"\ninit_preset = "tiny"\n')
+        assert has_indexer(engine_model_config(load_recipe(path, [], check_files=False))) == indexer
