@@ -1,7 +1,7 @@
 """Start and stop real SGLang servers (`python -m sglang.launch_server`) for a recipe's engines.
 
-`build_sglang_command` is pure (unit-tested on the flags it emits; the contract test checks each
-flag against SGLang 0.5.23's server-args fields). `launch_sglang` needs CUDA and an SGLang install
+`build_sglang_command` is pure (unit-tested on the flags it emits; tests/unit/test_sglang_cli_contract.py
+parses every flag it renders with SGLang 0.5.23's own parser rules, rollout/sglang_flags.py). `launch_sglang` needs CUDA and an SGLang install
 (`pip install "sglang==0.5.23"`, the `gpu` extra); its start is exercised by tests/gpu.
 
 Placement: engine ``index`` uses GPUs ``[index * gpus_per_engine, (index + 1) * gpus_per_engine)``
@@ -46,7 +46,7 @@ class SGLangArgs:
     seed: Optional[int] = None
     indexer_topk: bool = False     # DSA model: return each token's indexer top-k (needs attn_tp_size == 1)
     extra: tuple[str, ...] = ()    # placement flags (multi-node engines)
-    engine_args: tuple[str, ...] = ()   # rollout.engine_args, last so the log shows them at the end
+    engine_args: tuple[str, ...] = ()   # rollout.engine_args, appended last (checked: rollout/sglang_flags.py)
 
 
 def check_args(a: SGLangArgs) -> None:
