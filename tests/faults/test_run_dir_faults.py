@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from checkpoints import run_state
 from checkpoints.run_state import CheckpointWriteError, RunCheckpointer, ValueState
 from sao_megatron.cli.main import main
 from sao_megatron.trainer import run_lock
+from test_trainer_faults import _sao_train
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "recipes" / "tiny_moe_cpu.toml"
@@ -138,6 +140,29 @@ def test_a_second_signal_exits_at_once_with_one_line(first, second):
     assert err.count("\n") == 1 and f"second signal ({second.name} after {first.name})" in err, err
 
 
+def test_ctrl_c_at_the_terminal_of_a_two_rank_sao_train_saves_once_and_exits_0(tmp_path):
+    """Ctrl-C signals the terminal's whole process group: only `sao train` is in it (torchrun runs in its own
+    session), and it forwards one SIGINT to each rank; a second one per rank would exit without saving."""
+    marker = tmp_path / "collecting"
+    proc = _sao_train(tmp_path, "rollout.reward_fn='tests.faults.fault_rewards:hang_after_marking'",
+                      "rollout.reward_timeout_s=3600", "parallel.pp=2", "parallel.launcher='torchrun'",
+                      env={"SAO_FAULT_MARKER": str(marker)}, session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert marker.exists(), proc.communicate(timeout=60)[1][-3000:]
+        os.killpg(proc.pid, signal.SIGINT)      # what the terminal does on Ctrl-C
+        _, err = proc.communicate(timeout=GENEROUS_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    assert "done: stopped by SIGINT during collection after step 0, checkpoint saved" in err, err[-3000:]
+    assert "second signal" not in err and "Traceback" not in err, err[-3000:]
+    assert (tmp_path / "e2e" / "checkpoints" / "latest").read_text() == "step_00000000"
+
+
 # ---- 4. a resume cuts the metric rows after its step -----------------------------------------------
 def _rows(path: Path) -> list:
     return [json.loads(line)["step"] for line in path.read_text().splitlines()]
@@ -180,6 +205,31 @@ def test_a_resume_that_cuts_rows_logs_to_a_new_wandb_run_and_one_that_does_not_k
     assert rewind_metrics(tmp_path, 2, "abc") == "abc"      # nothing after step 2: wandb resumes its run
     assert rewind_metrics(tmp_path, 1, "abc") == ""         # step 2 goes: a new wandb run
     assert _rows(tmp_path / "metrics.jsonl") == [1]
+
+
+def test_wandb_resumes_its_run_unless_the_resume_cut_rows_then_logs_to_a_new_one(tmp_path):
+    run_dir = tmp_path / "r"
+    ckpt = RunCheckpointer(run_dir / "checkpoints", rank=0, world_size=1).save(2, {"trainer": ValueState(dict, None)})
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    _, first = _sink_for(tmp_path, str(ckpt), wandb=True)
+    assert first and (run_dir / "wandb_run_id").read_text() == first
+    _, same = _sink_for(tmp_path, str(ckpt), wandb=True)           # nothing after step 2: the same run
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
+    _, new = _sink_for(tmp_path, str(ckpt), wandb=True)            # step 3 is cut: wandb could not go back
+    assert same == first and new not in ("", first) and (run_dir / "wandb_run_id").read_text() == new
+
+
+def test_an_sft_that_starts_again_cuts_the_rows_of_the_earlier_one(tmp_path, capsys):
+    from sao_megatron.core.config import load_recipe
+    from sao_megatron.trainer.sft import _build_sink
+
+    recipe = load_recipe(None, [f"run.output_dir='{tmp_path}'", "run.name='r'", "model.path='unused'",
+                                "logging.wandb=false", "logging.console=false"], check_files=False)
+    (recipe.run_dir / "sft").mkdir(parents=True)
+    (recipe.run_dir / "sft" / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    _build_sink(recipe).close()
+    assert (recipe.run_dir / "sft" / "metrics.jsonl").read_text() == ""
+    assert "cut 2 row(s)" in capsys.readouterr().err
 
 
 # ---- 5. a checkpoint the disk refuses ------------------------------------------------------------
@@ -229,26 +279,19 @@ def test_read_only_checkpoint_dir_is_one_line_and_nothing_changes(tmp_path, monk
     assert _tree(ckpt.root) == before
 
 
-def test_wandb_resumes_its_run_unless_the_resume_cut_rows_then_logs_to_a_new_one(tmp_path):
-    run_dir = tmp_path / "r"
-    ckpt = RunCheckpointer(run_dir / "checkpoints", rank=0, world_size=1).save(2, {"trainer": ValueState(dict, None)})
-    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
-    _, first = _sink_for(tmp_path, str(ckpt), wandb=True)
-    assert first and (run_dir / "wandb_run_id").read_text() == first
-    _, same = _sink_for(tmp_path, str(ckpt), wandb=True)           # nothing after step 2: the same run
-    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
-    _, new = _sink_for(tmp_path, str(ckpt), wandb=True)            # step 3 is cut: wandb could not go back
-    assert same == first and new not in ("", first) and (run_dir / "wandb_run_id").read_text() == new
-
-
-def test_an_sft_that_starts_again_cuts_the_rows_of_the_earlier_one(tmp_path, capsys):
-    from sao_megatron.core.config import load_recipe
-    from sao_megatron.trainer.sft import _build_sink
-
-    recipe = load_recipe(None, [f"run.output_dir='{tmp_path}'", "run.name='r'", "model.path='unused'",
-                                "logging.wandb=false", "logging.console=false"], check_files=False)
-    (recipe.run_dir / "sft").mkdir(parents=True)
-    (recipe.run_dir / "sft" / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
-    _build_sink(recipe).close()
-    assert (recipe.run_dir / "sft" / "metrics.jsonl").read_text() == ""
-    assert "cut 2 row(s)" in capsys.readouterr().err
+def test_sao_train_disk_full_at_a_checkpoint_exits_1_with_one_line_and_keeps_the_previous(tmp_path):
+    proc = _sao_train(tmp_path, "rollout.reward_fn='tests.faults.fault_rewards:zero_and_disk_full_from_step_2'",
+                      "run.num_steps=3", "checkpoint.interval=1", env={"SAO_FAULT_DISK_FULL": "1"},
+                      after=["critic.warmup_steps=10"])   # critic steps only: no weight sync needed
+    try:
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: cannot write checkpoint step_00000002 in ") and "(ENOSPC)" in last, last
+    assert "the previous checkpoint step_00000001 is intact" in last and "Traceback" not in err, err[-3000:]
+    ckpt = tmp_path / "e2e" / "checkpoints"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000001"]   # no .tmp-step_* left
+    assert (ckpt / "latest").read_text() == "step_00000001"
