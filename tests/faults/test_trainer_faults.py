@@ -499,6 +499,7 @@ def test_sao_train_sigterm_during_collection_saves_and_exits_0(tmp_path, sig):
         while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert marker.exists(), proc.communicate(timeout=60)[1][-3000:]
+        assert_holds_the_run_lock(tmp_path / "e2e", proc.pid)
         if sig == signal.SIGINT:
             os.killpg(proc.pid, sig)   # Ctrl-C: the terminal signals the whole group, the engine too
         else:
@@ -509,10 +510,20 @@ def test_sao_train_sigterm_during_collection_saves_and_exits_0(tmp_path, sig):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, err[-3000:]
     assert f"done: stopped by {sig.name} during collection after step 0, checkpoint saved" in err
+    assert (tmp_path / "e2e" / ".sao.lock").read_text() == ""     # released on the way out: nothing to take over
     ckpt = tmp_path / "e2e" / "checkpoints"
     assert (ckpt / "latest").read_text() == "step_00000000"
     driver = torch.load(ckpt / "step_00000000" / "driver.rank00000.pt", weights_only=False)
     assert driver["work"] and all(d["reward"] is None for d in driver["work"])   # in flight, kept for the resume
+
+
+def assert_holds_the_run_lock(run_dir, pid: int) -> None:
+    """The live run holds its run dir's flock (a second writer cannot take it) and has written its pid."""
+    import fcntl
+
+    assert (run_dir / ".sao.lock").read_text().strip() == str(pid)
+    with open(run_dir / ".sao.lock") as f, pytest.raises(BlockingIOError):
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 def test_sao_train_sigkilled_mid_collection_leaves_no_process_behind(tmp_path):
