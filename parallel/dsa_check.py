@@ -20,9 +20,9 @@ from sao_megatron.core.records import TrainBatch
 
 def engine_norms(model) -> None:
     """Give an HF MLA model's latent norms the engine's epsilon (rms_norm_eps), in place."""
-    for name, module in model.named_modules():
-        if name.endswith(("q_a_layernorm", "kv_a_layernorm")):
-            module.variance_epsilon = float(model.config.rms_norm_eps)
+    from checkpoints.arch.glm5 import use_engine_latent_norm_eps
+
+    use_engine_latent_norm_eps(model)
 
 
 def random_selection(rows: int, seq: int, kinds: list[str], topk: int, seed: int = 0) -> torch.Tensor:

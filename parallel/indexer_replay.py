@@ -6,8 +6,8 @@ selections come per sample as int32 ``[tokens - 1, num_hidden_layers, index_topk
 (-1 = empty slot; checkpoints/arch/dsa.py), one column per hidden layer with "shared" layers mirroring
 their full layer, as SGLang 0.5.23 lays them out (configs/model_config.py get_num_indexer_layers). In a
 TrainBatch they are ``indexer_topk [rows, seq, num_hidden_layers, index_topk]``, -1 where a position
-has none (the last token and padding): such a query keeps only -1 slots, so it attends to nothing but
-itself... which is never read, because those positions come after every real one.
+has none (the last token and padding): such a query attends causally (parallel/mla_attention.py); its
+output is never read, since those positions come after every real one.
 
 The core attention sees the whole sequence on every TP rank (heads are split, not positions), so each
 layer takes ``[rows, seq, index_topk]`` as it is; context parallelism is refused with DSA.

@@ -165,7 +165,11 @@ class MLACoreAttention(torch.nn.Module):
         if self.indexer_kind != "none":
             selected, scores = self._select(x, qr)
             self.last_selected = selected
-            keep = keep & selected_key_mask(selected, sk)
+            chosen = selected_key_mask(selected, sk)
+            # a query without any selection (the last token and padding carry -1 only) keeps causal
+            # attention: an all-masked row is NaN, and 0 * NaN in the next layer's probs @ values
+            # would spread it to every position
+            keep = keep & (chosen | ~chosen.any(dim=-1, keepdim=True))
         out = attend(query, key, value, keep, self.softmax_scale)
         if scores is not None and self.training and torch.is_grad_enabled() and self._loss_coeff() > 0:
             out = self._with_indexer_loss(out, scores, selected, query, key)

@@ -31,6 +31,19 @@ def qk_norm(cfg) -> bool:
     return False  # MLA normalises the q and kv latents, not per-head q/k
 
 
+def use_engine_latent_norm_eps(model) -> None:
+    """Give an HF MLA model's latent norms (q_a_layernorm, kv_a_layernorm) the config's rms_norm_eps, in place.
+
+    SGLang 0.5.23 builds them with eps=config.rms_norm_eps (models/deepseek_v2.py:2077, 2163), as Megatron
+    does (layernorm_epsilon); transformers 5.25 hard-codes 1e-6 (modeling_glm_moe_dsa.py:309, 317;
+    modeling_deepseek_v3.py:364, 376). GLM-5's rms_norm_eps is 1e-5, so an unpatched HF model is neither
+    the engine nor the trainer."""
+    eps = float(getattr(model.config, "rms_norm_eps", 1e-6))
+    for name, module in model.named_modules():
+        if name.endswith(("q_a_layernorm", "kv_a_layernorm")) and hasattr(module, "variance_epsilon"):
+            module.variance_epsilon = eps
+
+
 def indexer_types(cfg: dict) -> list[str]:
     """Per layer "full" (own indexer), "shared" (reuses the previous full layer's top-k) or "none" (no DSA),
     as transformers' GlmMoeDsaConfig derives them (explicit list, else index_topk_pattern, else

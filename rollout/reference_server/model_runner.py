@@ -1,12 +1,13 @@
 """The HF transformers model behind the reference server: one batched forward per scheduler step.
 
-Every active request owns one row ("slot") of a per-layer KV slab ``[max_batch, kv_heads, T, head_dim]``;
-rows 0..n-1 are the active requests (a finished request's row is refilled by the last one, so the
-active rows stay contiguous and the forward uses a view, not a copy). A step feeds each row the tokens
-it has not cached yet (a whole prompt, or the one token sampled last step), right-padded to the
-longest chunk. Row b's token j sits at position ``len_b + j`` and attends to keys ``<= len_b + j``;
-padded queries attend to key 0 only so no softmax row is empty (their outputs are discarded and
-their keys are never written).
+Every active request owns one row ("slot") of per-layer KV slabs ``[max_batch, heads, T, dim]`` (keys
+and values each as wide as the model caches them, see SlotCache); rows 0..n-1 are the active
+requests (a finished request's row is refilled by the last one, so the active rows stay contiguous
+and the forward uses a view, not a copy). A step feeds each row the tokens it has not cached yet
+(a whole prompt, or the one token sampled last step), right-padded to the longest chunk. Row b's
+token j sits at position ``len_b + j`` and attends to keys ``<= len_b + j``; padded queries attend
+to key 0 only so no softmax row is empty (their outputs are discarded and their keys are never
+written).
 
 Routing capture: a forward hook on every router module (transformers 5: Qwen3-MoE's
 ``Qwen3MoeTopKRouter`` and GLM-4.5's ``Glm4MoeTopkRouter`` both return ``(logits, weights, indices)``)
@@ -16,6 +17,10 @@ layers (GLM's first ``first_k_dense_replace``, Qwen3's ``mlp_only_layers``) left
 its capture buffer by ``num_hidden_layers`` (state_capturer/routed_experts.py:72-73), writes column
 ``layer_id`` (state_capturer/base.py:47-49) where TopK's layer_id is the owning layer's global index
 (layers/moe/topk.py:680), and starts from zeros (base.py:38-41, 68-75).
+
+DSA (GLM-5, DeepSeek-V3.2): each indexer selects keys by checkpoints/arch/dsa.py's rule and its
+choices are captured per hidden layer (dsa_indexer.py); they are logical positions, because slot
+column t holds the row's token t.
 """
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from checkpoints.arch.glm5 import use_engine_latent_norm_eps
 
 from .dsa_indexer import NOT_GIVEN, IndexerSelection
 
@@ -60,8 +67,8 @@ class SlotCache:
 
     is_compileable = False
 
-    def __init__(self, num_layers: int, max_batch: int, dtype, capacity: int, device: torch.device | str = "cpu"):
-        self.max_batch, self.dtype, self.device = max_batch, dtype, device
+    def __init__(self, num_layers: int, max_batch: int, capacity: int, device: torch.device | str = "cpu"):
+        self.max_batch, self.device = max_batch, device
         self._capacity = capacity
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
@@ -74,7 +81,7 @@ class SlotCache:
         return self._capacity
 
     def _slab(self, like: torch.Tensor) -> torch.Tensor:
-        """A zero slab for tensors shaped like `like` ([B, heads, S, dim] or [B, S, dim]), time on axis -2."""
+        """A zero slab for tensors like `like` ([B, heads, S, dim] or [B, S, dim], its dtype), time on axis -2."""
         return torch.zeros((self.max_batch, *like.shape[1:-2], self._capacity, like.shape[-1]),
                            dtype=like.dtype, device=self.device)
 
@@ -147,7 +154,7 @@ class ModelRunner:
     """Loads the model once; `forward(chunks, lengths)` runs one step over rows 0..len(chunks)-1.
 
     ``device`` holds the weights and the KV slab (``cuda`` for the GPU check kit); what leaves a step
-    (last logits, routes) comes back on the CPU, where the scheduler samples.
+    (last logits, routes, DSA selections) comes back on the CPU, where the scheduler samples.
     """
 
     def __init__(self, model_dir: str | Path, dtype: str = "fp32", max_batch: int = 64, max_context: int = 0,
@@ -160,6 +167,7 @@ class ModelRunner:
         self.model_dir = str(model_dir)
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             self.model_dir, dtype=DTYPES[dtype], attn_implementation="sdpa").to(self.device).eval()
+        use_engine_latent_norm_eps(self.model)   # MLA models: SGLang's latent-norm epsilon, not transformers'
         cfg = self.model.config
         self.config = cfg
         self.dtype = DTYPES[dtype]
@@ -173,7 +181,7 @@ class ModelRunner:
         for i, (_, module) in enumerate(self.routers):
             module.register_forward_hook(self._make_hook(i))
         self.indexer = IndexerSelection(self.model, self.num_layers)
-        self.cache = SlotCache(cfg.num_hidden_layers, max_batch, self.dtype, capacity=min(256, self.max_context),
+        self.cache = SlotCache(cfg.num_hidden_layers, max_batch, capacity=min(256, self.max_context),
                                device=self.device)
         self.cache_kwarg = cache_kwarg(self.model)
 

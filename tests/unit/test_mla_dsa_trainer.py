@@ -142,3 +142,21 @@ def test_bad_indexer_topk_is_one_line(glm5, bad, match):
     with pytest.raises(ValueError, match=match) as err:
         trainer.compute_logprobs([dsa_check.with_selection(batch, bad(selection))])
     assert "\n" not in str(err.value)
+
+
+def test_latent_norms_use_the_engines_epsilon(tmp_path):
+    """SGLang 0.5.23 and Megatron give the MLA latent norms rms_norm_eps; transformers hard-codes 1e-6.
+    The reference server follows SGLang, read from the wheel."""
+    from sglang_wheel import load_sources
+
+    from checkpoints.tiny_models import FIXTURE, build_tiny_model
+    from rollout.reference_server.model_runner import ModelRunner
+
+    source = load_sources()["sglang/srt/models/deepseek_v2.py"]
+    assert "self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)" in source
+    assert "self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)" in source
+    model = build_tiny_model("glm5", 0, "tiny", **FIXTURE, rms_norm_eps=1e-5)
+    model.save_pretrained(tmp_path)
+    served = ModelRunner(tmp_path, max_batch=1).model
+    norms = [m.variance_epsilon for n, m in served.named_modules() if n.endswith(("q_a_layernorm", "kv_a_layernorm"))]
+    assert norms and set(norms) == {1e-5}
