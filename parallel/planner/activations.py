@@ -13,7 +13,7 @@ def layer_activation_elems(cfg: dict, moe: bool, layout: ParallelDims, recompute
 
     Tokens are split by cp; h-sized tensors by tp (sequence parallel), head-sized ones by tp (heads).
     kernels 'te' (Transformer Engine spec, the GPU path): flash attention stores no s² score matrix,
-    fused SwiGLU. kernels 'local' (Megatron-Core's local spec, what runs on CPU): see
+    fused SwiGLU; DSA layers are the exception (dsa_score_elems). kernels 'local' (Megatron-Core's local spec, what runs on CPU): see
     _local_layer_elems; `seq_len` is the padded row length its unfused attention scores span.
     'selective' recomputes the core attention (Megatron's default recompute_modules, which
     parallel/rl_model.py keeps): under flash attention that stores nothing less. 'full' keeps only the
@@ -28,6 +28,8 @@ def layer_activation_elems(cfg: dict, moe: bool, layout: ParallelDims, recompute
     attn = 2 * h / tp + (q + 2 * kv + out) / tp + latent
     if cfg.get("index_n_heads"):
         attn += cfg["index_n_heads"] * cfg["index_head_dim"] + cfg["index_head_dim"]
+    if cfg.get("index_topk") and recompute == "none":
+        attn += dsa_score_elems(cfg, tp, seq_len or 1)
     if moe:
         fm, k = cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
         fs = (cfg.get("n_shared_experts") or 0) * fm
@@ -37,6 +39,16 @@ def layer_activation_elems(cfg: dict, moe: bool, layout: ParallelDims, recompute
     else:
         mlp = 2 * h / tp + 3 * cfg["intermediate_size"] / tp
     return (attn + mlp) / layout.cp
+
+
+def dsa_score_elems(cfg: dict, tp: int, seq_len: int) -> float:
+    """Per token, in bf16 elements: what a DSA layer's attention saves for backward under TE too. TE has no
+    sparse attention, so those layers run parallel/mla_attention.py `attend` (parallel/specs.py): it masks a
+    dense score row of seq_len keys per head and keeps the fp32 softmax output (2 bf16 elements per key)
+    and its bf16 copy (1), heads/tp per token, plus the bool keep mask (one byte per key, all heads).
+    'selective' recompute re-runs the core attention and keeps none of it; 'full' adds it once, for the
+    layer rebuilt during backward."""
+    return 3 * cfg["num_attention_heads"] / tp * seq_len + seq_len / 2
 
 
 def _local_layer_elems(cfg: dict, moe: bool, layout: ParallelDims, recompute: str, seq_len: int) -> float:

@@ -74,3 +74,19 @@ def test_plan_of_a_dsa_recipe_uses_the_launchers_dp_attention(tmp_path):
         path.write_text(f'[model]\npath = "/nowhere"\nshape_preset = "{preset}"\n'
                         '[rollout]\nengine = "sglang"\nengine_tp = 8\nengine_ep = 8\n')
         assert plan_input_from_recipe(load_recipe(path, [], check_files=False)).engine.dp_attention == expected
+
+
+def test_dsa_layers_keep_dense_scores_on_transformer_engine_too():
+    """TE has no sparse attention: DSA layers run our masked attention, fp32 + bf16 probabilities of every key
+    (3 bf16 elements each, 4 heads on tp 1) plus a one-byte mask per key: 3 * 4 * 10 + 10 / 2 per token."""
+    from parallel.planner import Layout
+    from parallel.planner.activations import activation_bytes, layer_activation_elems
+
+    dense = dict(CFG, index_topk=0)
+    for recompute, extra in (("none", 125), ("selective", 0), ("full", 0)):
+        diff = (layer_activation_elems(CFG, True, Layout(), recompute, "te", 10)
+                - layer_activation_elems(dense, True, Layout(), recompute, "te", 10))
+        assert diff == extra
+    # full recompute rebuilds one layer at a time during backward: its scores once, 10 tokens x 2 bytes
+    full = activation_bytes(CFG, Layout(), 0, 10, "full", 2, value_head=True, seq_len=10)
+    assert full - activation_bytes(dense, Layout(), 0, 10, "full", 2, value_head=True, seq_len=10) == 125 * 10 * 2
