@@ -25,7 +25,7 @@ from typing import Iterable
 import torch
 
 from .hf_io import INDEX, SINGLE, save_hf_checkpoint
-from .manifest import CheckpointCorruptError
+from .manifest import CheckpointCorruptError, read_manifest
 from .run_state import LATEST, PREFIX, RunCheckpointer
 
 RECIPE = "resolved_recipe.toml"
@@ -62,9 +62,10 @@ class RunCheckpoint:
         return self.run_dir / "hf" / (f"step_{self.step}" + ("" if role == "policy" else f"_{role}"))
 
 
-def find_run_checkpoint(path: str | os.PathLike) -> RunCheckpoint:
+def find_run_checkpoint(path: str | os.PathLike, verify: bool = True) -> RunCheckpoint:
     """A run checkpoint from `path`: a step_N directory, the `latest` pointer, the checkpoints/ folder or
-    the run directory (both: the newest checkpoint). Raises NotARunCheckpoint naming what is missing."""
+    the run directory (both: the newest checkpoint). Raises NotARunCheckpoint naming what is missing, and
+    (verify) ValueError naming a file whose size or checksum is not the manifest's."""
     path = Path(path)
     if path.is_file() and path.name == LATEST:
         path = path.parent / path.read_text().strip()
@@ -76,7 +77,8 @@ def find_run_checkpoint(path: str | os.PathLike) -> RunCheckpoint:
         raise NotARunCheckpoint(f"{path} is not a run checkpoint (no manifest.json; a run writes them under "
                                 "runs/NAME/checkpoints/step_N)")
     try:   # every file's size and checksum, as a resume checks them, before any model is built
-        top = RunCheckpointer(path.parent, rank=0, world_size=1, barrier=lambda: None).verify_whole(path)
+        checker = RunCheckpointer(path.parent, rank=0, world_size=1, barrier=lambda: None)
+        top = checker.verify_whole(path) if verify else read_manifest(path / "manifest.json", "")
     except CheckpointCorruptError as err:
         raise ValueError(f"{err}; fix: export another checkpoint (an earlier step_N)") from None
     run_dir = path.resolve().parent.parent

@@ -6,8 +6,9 @@ parallel size 1, no distributed optimizer), the checkpoint's weights are loaded 
 `RLModel.export_hf()` is written with config.json, tokenizer and generation_config.json of the model the
 run started from (checkpoints/run_export.py). A distributed checkpoint (checkpoint.format = distributed,
 the default) loads under any layout: Megatron's dist_checkpointing reads each global tensor whole, from
-whatever TP/PP/EP/VPP shards the run wrote. A per_rank checkpoint exports only when it was saved by one
-rank (its shards are in the run's own layout).
+whatever TP/PP/EP/VPP shards the run wrote. A per_rank checkpoint holds each rank's shards of the run's
+own layout: one saved by N > 1 ranks is exported by N local ranks (torchrun) rebuilding that layout,
+each loading its own file, rank 0 writing (--timeout-s bounds them).
 
 --role critic exports the value model: the backbone and `score.weight` (the value head, one row), with
 config.json saying <Family>ForTokenClassification and num_labels = 1 (transformers'
@@ -34,6 +35,8 @@ def register(sub) -> None:
     parser.add_argument("--role", choices=["policy", "critic"], default="policy", help="which model to export")
     parser.add_argument("--fp8", action="store_true", help="write the block-FP8 (128x128) engine checkpoint")
     parser.add_argument("--max-shard-mb", type=float, default=4096, help="largest safetensors file")
+    parser.add_argument("--timeout-s", type=float, default=7200,
+                        help="per_rank checkpoints of several ranks: how long the export ranks may take")
     parser.set_defaults(func=run)
 
 
@@ -43,11 +46,14 @@ def run(args) -> int:
     try:
         if not 0 < args.max_shard_mb < float("inf"):
             raise ValueError(f"--max-shard-mb {args.max_shard_mb}: fix: pass a positive size in MiB (e.g. 4096)")
+        if not 0 < args.timeout_s < float("inf"):
+            raise ValueError(f"--timeout-s {args.timeout_s}: fix: pass a positive number of seconds")
         out = Path(args.out)
         if out.exists() and any(out.iterdir()):
             raise ValueError(f"{out} exists and is not empty; fix: pass a new directory")
         ckpt = find_run_checkpoint(args.checkpoint)
-        written = export_run_checkpoint(ckpt, out, args.role, fp8=args.fp8, max_shard_mb=args.max_shard_mb)
+        written = export_run_checkpoint(ckpt, out, args.role, fp8=args.fp8, max_shard_mb=args.max_shard_mb,
+                                        timeout_s=args.timeout_s)
     except (NotARunCheckpoint, ValueError, KeyError, FileNotFoundError) as err:
         print(f"sao export: {err}", file=sys.stderr)
         return 2
@@ -56,25 +62,16 @@ def run(args) -> int:
 
 
 def export_run_checkpoint(ckpt, out: Path, role: str = "policy", fp8: bool = False,
-                          max_shard_mb: float = 4096) -> Path:
+                          max_shard_mb: float = 4096, timeout_s: float = 7200) -> Path:
     """Write the `role` model of the run checkpoint `ckpt` (checkpoints.run_export.RunCheckpoint) to `out`."""
-    from checkpoints.run_export import write_hf_export
-
     if not ckpt.has(role):
         raise ValueError(f"{ckpt.step_dir} holds no {role} (it holds {', '.join(ckpt.components)})"
                          + ("; fix: the run had critic.enabled = false, export the policy" if role == "critic" else ""))
-    recipe = export_recipe(ckpt)
-    source = ckpt.source(role)
-    model = _load_model(ckpt, recipe, role)
-    try:
-        tensors = model.export_hf()
-        update = {}
-        if role == "critic":
-            tensors, update = _as_token_classifier(tensors, model.hf_config)
-        target = out.with_name(out.name + ".bf16-tmp") if fp8 else out
-        write_hf_export(target, tensors, recipe.model.path, source, update, max_shard_mb)
-    finally:
-        _teardown()
+    target = out.with_name(out.name + ".bf16-tmp") if fp8 else out
+    if role in ckpt.distributed or ckpt.world_size == 1:
+        export_model(ckpt, target, role, max_shard_mb, one_process=True)
+    else:
+        _launch_ranks(ckpt, target, role, max_shard_mb, timeout_s)
     if fp8:
         from rollout.weights.fp8_checkpoint import write_block_fp8_checkpoint
 
@@ -85,15 +82,58 @@ def export_run_checkpoint(ckpt, out: Path, role: str = "policy", fp8: bool = Fal
     return out
 
 
-def export_recipe(ckpt):
-    """The run's resolved recipe, set for one process: every parallel size 1, the optimizer plain, no
-    resume. The model (architecture, dtype, spec) stays the run's."""
+def export_model(ckpt, out: Path, role: str, max_shard_mb: float, one_process: bool) -> None:
+    """Build the model (one process, or this rank of the run's own layout), load the checkpoint's weights,
+    export. Collective with several ranks: every rank gathers, rank 0 writes."""
+    import torch
+
+    from checkpoints.run_export import write_hf_export
+
+    recipe = export_recipe(ckpt, one_process)
+    model = _load_model(ckpt, recipe, role)
+    try:
+        tensors = model.export_hf()
+        if torch.distributed.get_rank() != 0:
+            for _ in tensors:
+                pass
+            return
+        update = {}
+        if role == "critic":
+            tensors, update = _as_token_classifier(tensors, model.hf_config)
+        write_hf_export(out, tensors, recipe.model.path, ckpt.source(role), update, max_shard_mb)
+    finally:
+        _teardown()
+
+
+def _launch_ranks(ckpt, out: Path, role: str, max_shard_mb: float, timeout_s: float) -> None:
+    """A per_rank checkpoint of N ranks holds shards of the run's layout: rebuild that layout on N local
+    ranks (torchrun), each loading its own file, and export from there."""
+    import os
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ckpt.world_size}",
+           "-m", "sao_megatron.cli.export", str(ckpt.step_dir), str(out), role, str(max_shard_mb)]
+    print(f"sao export: {ckpt.step_dir} was saved per rank by {ckpt.world_size} ranks; launching as many: "
+          f"{' '.join(cmd)}", file=sys.stderr)
+    try:
+        code = subprocess.run(cmd, timeout=timeout_s, env={**os.environ}).returncode
+    except subprocess.TimeoutExpired:
+        raise ValueError(f"the {ckpt.world_size} export ranks did not finish in {timeout_s:.0f} s; fix: pass a "
+                         "larger --timeout-s") from None
+    if code != 0:
+        raise ValueError(f"the {ckpt.world_size} export ranks exited with code {code} (their output is above)")
+
+
+def export_recipe(ckpt, one_process: bool = True):
+    """The run's resolved recipe for the export: one process (every parallel size 1), or the run's own
+    layout on as many ranks as saved the checkpoint; the optimizer plain, no resume. The model
+    (architecture, dtype, spec) stays the run's."""
     from checkpoints.arch import load_recipe
 
-    one_process = {"tp": 1, "pp": 1, "vpp": 1, "ep": 1, "etp": 0, "cp": 1, "dp": 0, "world_size": 1,
-                   "last_stage_layers": 0, "sequence_parallel": "false", "distributed_optimizer": "false",
-                   "optimizer_offload": "false"}
-    overrides = [f"parallel.{k}={v}" for k, v in one_process.items()]
+    layout = {"tp": 1, "pp": 1, "vpp": 1, "ep": 1, "etp": 0, "cp": 1, "dp": 0, "world_size": 1,
+              "last_stage_layers": 0, "sequence_parallel": "false"} if one_process else {"world_size": ckpt.world_size}
+    layout.update(distributed_optimizer="false", optimizer_offload="false")   # Adam state is never loaded
+    overrides = [f"parallel.{k}={v}" for k, v in layout.items()]
     overrides += ["checkpoint.resume='never'", "critic.placement='shared'"]
     recipe = load_recipe(ckpt.recipe_path, overrides, check_files=False)
     if not (Path(recipe.model.path) / "config.json").is_file():
@@ -127,17 +167,16 @@ def _load_distributed_weights(model, path: Path) -> None:
 
 
 def _load_per_rank_weights(model, ckpt, role: str) -> None:
+    """This rank's file of a per_rank checkpoint (the model shards; the optimizer's state stays unread)."""
     import torch
 
-    if ckpt.world_size != 1:
-        raise ValueError(f"{ckpt.step_dir} holds the {role} per rank (checkpoint.format = per_rank), saved by "
-                         f"{ckpt.world_size} ranks; only a distributed checkpoint reshards; fix: resume the run for "
-                         "one step with checkpoint.format = distributed and export that checkpoint")
-    state = torch.load(ckpt.step_dir / f"{role}.rank00000.pt", map_location="cpu", weights_only=False)
-    saved = {k: v for k, v in state.get("dims", {}).items() if k in ("tp", "pp", "ep", "vpp", "cp")}
-    if any(v != 1 for v in saved.values()):
-        raise ValueError(f"{ckpt.step_dir}: the {role} was saved per rank under {saved}; fix: export a distributed "
-                         "checkpoint (checkpoint.format = distributed)")
+    rank = torch.distributed.get_rank()
+    state = torch.load(ckpt.step_dir / f"{role}.rank{rank:05d}.pt", map_location="cpu", weights_only=False)
+    keys = ("tp", "pp", "vpp", "ep", "etp", "cp")
+    saved, built = ({k: d.get(k) for k in keys} for d in (state.get("dims", {}), model.dims.__dict__))
+    if saved != built:
+        raise ValueError(f"{ckpt.step_dir}: the {role} was saved per rank under {saved}, the export built {built}; "
+                         "fix: restore the run's resolved_recipe.toml, or export a distributed checkpoint")
     for module, sd in zip(model.modules, state["model"]):
         module.load_state_dict(sd)
 
@@ -166,3 +205,10 @@ def _teardown() -> None:
     from parallel.distributed import teardown_model_parallel
 
     teardown_model_parallel()
+
+
+if __name__ == "__main__":   # one rank of a per_rank export (_launch_ranks): CHECKPOINT OUT ROLE MAX_SHARD_MB
+    from checkpoints.run_export import find_run_checkpoint
+
+    export_model(find_run_checkpoint(sys.argv[1], verify=False), Path(sys.argv[2]), sys.argv[3], float(sys.argv[4]),
+                 one_process=False)

@@ -1,7 +1,7 @@
-"""`sao export` of a run checkpoint written by 2 ranks under TP2 or EP2, exported on one process: the policy
-export is the 2-rank trainer's own export_hf, bit for bit; the critic export loads as
-AutoModelForTokenClassification and gives the trainer's values; --fp8 writes what `sao convert hf-to-fp8`
-writes from the bf16 export."""
+"""`sao export` of a run checkpoint written by 2 ranks under TP2 or EP2 (distributed format: exported on one
+process; per_rank: exported by 2 ranks rebuilding TP2): the policy export is the 2-rank trainer's own
+export_hf, bit for bit; the critic export loads as AutoModelForTokenClassification and gives the
+trainer's values; --fp8 writes what `sao convert hf-to-fp8` writes from the bf16 export."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ import torch
 from parallel.distributed import run_distributed_test
 
 
-def _save_run(model_dir: str, run_dir: str, layout: dict) -> dict:
+def _save_run(model_dir: str, run_dir: str, layout: dict, fmt: str) -> dict:
     """Policy and critic of the tiny model under `layout`, one update each, saved as a run checkpoint."""
     import dataclasses
 
@@ -26,7 +26,8 @@ def _save_run(model_dir: str, run_dir: str, layout: dict) -> dict:
 
     source = Path(run_dir).parent / "recipe.toml"
     source.write_text(f'[run]\nname = "{Path(run_dir).name}"\noutput_dir = "{Path(run_dir).parent}"\n'
-                      f'[model]\npath = "{model_dir}"\n[algorithm]\nlr = 1e-2\n[critic]\nlr = 1e-2\n')
+                      f'[model]\npath = "{model_dir}"\n[algorithm]\nlr = 1e-2\n[critic]\nlr = 1e-2\n'
+                      f'[checkpoint]\nformat = "{fmt}"\n')
     recipe = load_recipe(source)
     recipe = dataclasses.replace(recipe, parallel=dataclasses.replace(recipe.parallel, **layout))
     if torch.distributed.get_rank() == 0:
@@ -61,14 +62,15 @@ def _tensors(path: Path) -> dict:
     return dict(HFCheckpoint(path).items())
 
 
-@pytest.mark.parametrize("layout", [{"tp": 2}, {"ep": 2}], ids=["tp2", "ep2"])
-def test_export_of_a_two_rank_checkpoint(tiny_model_dir, tmp_path, layout):
+@pytest.mark.parametrize("layout, fmt", [({"tp": 2}, "distributed"), ({"ep": 2}, "distributed"), ({"tp": 2}, "per_rank")],
+                         ids=["tp2", "ep2", "tp2-per-rank"])
+def test_export_of_a_two_rank_checkpoint(tiny_model_dir, tmp_path, layout, fmt):
     from transformers import AutoModelForTokenClassification
 
     run_dir = tmp_path / "runs" / "t"
     run_dir.mkdir(parents=True)
-    saved = run_distributed_test(_save_run, world_size=2, timeout_s=600, args=(str(tiny_model_dir), str(run_dir), layout))[0]
-    fp8 = layout == {"tp": 2}
+    saved = run_distributed_test(_save_run, world_size=2, timeout_s=600, args=(str(tiny_model_dir), str(run_dir), layout, fmt))[0]
+    fp8 = layout == {"tp": 2} and fmt == "distributed"
     codes = run_distributed_test(_export, world_size=1, timeout_s=600, args=(str(run_dir), fp8))[0]
     assert codes == [0] * len(codes)
 
