@@ -64,7 +64,9 @@ def recipe_help(width: int = 100) -> str:
     """The whole help text: one block per section, in recipe order."""
     intro = ("Recipe fields: write them in a TOML recipe under [section], or override on the command line as "
              "section.key=value. Each line: name: type = default (range of accepted values); then what it does. "
-             "Cross-field checks (parallel layout, algorithm vs critic) run on the whole recipe.")
+             "Cross-field checks (parallel layout, algorithm vs critic) run on the whole recipe. A recipe may "
+             "start with base = \"other.toml\" (relative to it): that recipe's values, with this one's merged over "
+             "them table by table (recipe_base.py).")
     parts = ["\n".join(textwrap.wrap(intro, width))]
     parts += [section_help(name, cls, width) for name, cls in SECTIONS.items()]
     return "\n\n".join(parts) + "\n"
