@@ -160,3 +160,39 @@ def test_latent_norms_use_the_engines_epsilon(tmp_path):
     served = ModelRunner(tmp_path, max_batch=1).model
     norms = [m.variance_epsilon for n, m in served.named_modules() if n.endswith(("q_a_layernorm", "kv_a_layernorm"))]
     assert norms and set(norms) == {1e-5}
+
+
+def _one_step(model_dir, batch, **model_fields):
+    from dataclasses import replace as dc_replace
+
+    from parallel.distributed import teardown_model_parallel
+    from parallel.rl_model import RLModel
+    from safetensors.torch import load_file
+
+    teardown_model_parallel()
+    recipe = lc.make_recipe(model_dir, {})
+    recipe.model = dc_replace(recipe.model, **model_fields)
+    trainer = RLModel.build(recipe, "policy")
+    start = load_file(f"{model_dir}/model.safetensors")
+    trainer.load_hf_state_dict(start)
+    metrics = trainer.train_step([batch], lc.policy_gradient_loss)
+    return metrics, start, dict(trainer.export_hf())
+
+
+def test_replay_holds_under_full_recompute_and_the_indexer_loss_trains_the_indexer(glm5):
+    """Full activation recompute re-runs every layer's forward in backward: it must attend to the same
+    replayed keys (equal loss, gradient and weights after the step). With model.indexer_loss_coeff > 0
+    Megatron's indexer KL loss moves the indexers and nothing else changes in the forward."""
+    model_dir, hf, trainer = glm5
+    batch = lc.fixed_batches(hf.config.vocab_size, num=1, seq=SEQ)[0]
+    selection = dsa_check.random_selection(batch.tokens.shape[0], SEQ, list(trainer.config.sao_indexer_types), 4, 3)
+    batch = dsa_check.with_selection(batch, selection)
+    plain, start, after_plain = _one_step(model_dir, batch)
+    recomputed, _, after_recompute = _one_step(model_dir, batch, recompute="full")
+    assert abs(plain["loss"] - recomputed["loss"]) < 1e-6 and abs(plain["grad_norm"] - recomputed["grad_norm"]) < 1e-6
+    assert all(torch.allclose(after_plain[k], after_recompute[k], atol=1e-6) for k in start)
+    trained, _, after_trained = _one_step(model_dir, batch, indexer_loss_coeff=0.1)
+    indexer = [k for k in start if ".indexer." in k]
+    assert all(torch.equal(after_plain[k], start[k]) for k in indexer)
+    assert any(not torch.equal(after_trained[k], start[k]) for k in indexer)
+    assert abs(trained["loss"] - plain["loss"]) < 1e-6   # the indexer loss rides on the gradient only
