@@ -79,10 +79,19 @@ def check_engine_args(args: object) -> None:
     except ValueError as err:
         raise ConfigError(FIELD, str(err), "use flags of `python -m sglang.launch_server --help` (SGLang 0.5.23), "
                           "each value its own list item") from None
-    for flag, dest, _ in parsed:
+    for flag, dest, values in parsed:
+        if dest == "json_model_override_args" and not _json_object(values[0]):
+            raise ConfigError(FIELD, f"{flag} {values[0]!r} is not a JSON object", 'write e.g. \'{"key": value}\'')
         if dest in MANAGED:
             raise ConfigError(FIELD, f"{flag} is set by the launcher from {MANAGED[dest]}", "set that instead")
         if dest.startswith("speculative_"):
             raise ConfigError(FIELD, f"{flag}: speculative decoding is off for RL engines (weight sync never updates "
                               "draft weights: MTP / EAGLE layers or a draft model go stale after the first update)",
                               "remove it (docs/cluster.md, 'Speculative decoding')")
+
+
+def _json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False

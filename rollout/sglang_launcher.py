@@ -45,6 +45,7 @@ class SGLangArgs:
     base_gpu_id: int = 0
     seed: Optional[int] = None
     indexer_topk: bool = False     # DSA model: return each token's indexer top-k (needs attn_tp_size == 1)
+    model_overrides: Optional[dict] = None   # config.json attributes to override (--json-model-override-args)
     extra: tuple[str, ...] = ()    # placement flags (multi-node engines)
     engine_args: tuple[str, ...] = ()   # rollout.engine_args, appended last (checked: rollout/sglang_flags.py)
 
@@ -103,6 +104,8 @@ def build_sglang_command(a: SGLangArgs, python: str = sys.executable) -> list[st
         cmd += ["--config", a.api_key_config]   # SGLang's YAML options file (server_args.py --config)
     if a.seed is not None:
         cmd += ["--random-seed", str(a.seed)]
+    if a.model_overrides:   # set on the HF config before the model is built (utils/hf_transformers/config.py:405-411)
+        cmd += ["--json-model-override-args", json.dumps(a.model_overrides, sort_keys=True)]
     return cmd + list(a.extra) + list(a.engine_args)
 
 
@@ -136,13 +139,45 @@ def sglang_args(recipe, engine: int, *, host: str, port: int, base_gpu_id: int, 
     A DSA model gets indexer top-k returned and, when rollout.engine_dp_attention is 0, DP attention
     across the engine (check_args names the field when another value is set)."""
     r = recipe.rollout
-    indexer = has_indexer(engine_model_config(recipe))
+    hf = engine_model_config(recipe)
+    indexer = has_indexer(hf)
     dp_attention = r.engine_dp_attention or (r.engine_tp if indexer and r.engine_tp > 1 else 0)
+    overrides, engine_args = model_overrides(hf, tuple(r.engine_args))
     return SGLangArgs(model_path=r.engine_model_path or str(recipe.model.path), host=host, port=port,
                       api_key=api_key, api_key_config=api_key_config, tp=r.engine_tp, ep=r.engine_ep,
                       dp_attention=dp_attention, fp8=r.engine_fp8, mem_fraction=r.mem_fraction,
                       base_gpu_id=base_gpu_id, seed=recipe.run.seed + engine, indexer_topk=indexer, extra=extra,
-                      engine_args=tuple(r.engine_args))
+                      model_overrides=overrides, engine_args=engine_args)
+
+
+OVERRIDE_FLAG = "--json-model-override-args"
+
+
+def model_overrides(hf: dict, engine_args: tuple[str, ...]) -> tuple[dict, tuple[str, ...]]:
+    """(config overrides for the engine, engine_args without an override flag of their own, merged in).
+
+    GLM-5's indexer RoPE: transformers' GlmMoeDsa (which the trainer and the reference server follow)
+    always rotates the indexer's q and k as interleaved pairs (modeling_glm_moe_dsa.py:220-221); SGLang 0.5.23
+    does so only when the config says indexer_rope_interleave, else half-split (models/deepseek_v2.py:2118).
+    A glm_moe_dsa config.json without that key gets it set, so the engine's indexer selects as the trainer's
+    would; an explicit value in config.json or in engine_args' own --json-model-override-args is kept."""
+    overrides: dict = {}
+    if hf.get("model_type") == "glm_moe_dsa" and "indexer_rope_interleave" not in hf:
+        overrides["indexer_rope_interleave"] = True
+    rest: list[str] = []
+    i = 0
+    while i < len(engine_args):
+        arg = engine_args[i]
+        flag, eq, value = arg.partition("=")
+        if flag == OVERRIDE_FLAG:
+            if not eq:
+                i += 1
+                value = engine_args[i] if i < len(engine_args) else "{}"
+            overrides.update(json.loads(value))
+        else:
+            rest.append(arg)
+        i += 1
+    return overrides, tuple(rest)
 
 
 def args_from_recipe(recipe, index: int, port: int, api_key: str) -> SGLangArgs:

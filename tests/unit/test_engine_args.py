@@ -140,3 +140,28 @@ def test_a_model_made_at_start_is_recognised_by_its_preset(tmp_path):
     for arch, indexer in (("glm5", True), ("qwen3_moe", False)):
         path.write_text(f'[model]\npath = "{tmp_path}/later"\narch = "{arch}"\ninit_preset = "tiny"\n')
         assert has_indexer(engine_model_config(load_recipe(path, [], check_files=False))) == indexer
+
+
+def _overrides(cmd: list[str]) -> dict | None:
+    return json.loads(_flag(cmd, "--json-model-override-args")) if "--json-model-override-args" in cmd else None
+
+
+@pytest.mark.parametrize("hf, expected", [
+    ({"model_type": "glm_moe_dsa"}, {"indexer_rope_interleave": True}),             # transformers' GLM-5 rule
+    ({"model_type": "glm_moe_dsa", "indexer_rope_interleave": True}, None),         # the checkpoint says it
+    ({"model_type": "glm_moe_dsa", "indexer_rope_interleave": False}, None),        # explicit: kept
+    ({"model_type": "deepseek_v32", "index_topk": 2048}, None),                     # V3.2 rotates half-split
+])
+def test_glm5_engines_rotate_the_indexer_as_transformers_does(tmp_path, hf, expected):
+    recipe = _recipe(tmp_path, "engine_tp = 2", hf)
+    assert _overrides(build_sglang_command(args_from_recipe(recipe, 0, 30000, ""))) == expected
+
+
+def test_engine_args_overrides_merge_into_one_flag(tmp_path):
+    recipe = _recipe(tmp_path, """engine_args = ["--json-model-override-args", '{"indexer_rope_interleave": false, "x": 1}']""",
+                     {"model_type": "glm_moe_dsa"})
+    cmd = build_sglang_command(args_from_recipe(recipe, 0, 30000, ""))
+    assert cmd.count("--json-model-override-args") == 1
+    assert _overrides(cmd) == {"indexer_rope_interleave": False, "x": 1}   # the recipe's own value wins
+    with pytest.raises(ConfigError, match="rollout.engine_args: --json-model-override-args 'nope' is not a JSON object"):
+        _recipe(tmp_path, 'engine_args = ["--json-model-override-args", "nope"]')

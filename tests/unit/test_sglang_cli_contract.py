@@ -36,14 +36,15 @@ def test_the_table_reads_the_parser_rules(wheel_table):
 def test_every_rendered_flag_parses_with_its_arity(wheel_table):
     engine_args = ("--chunked-prefill-size", "4096", "--cuda-graph-bs-decode", "1", "2", "4", "--disable-radix-cache")
     args = SGLangArgs(model_path="/m", api_key="k", api_key_config="/o.yaml", tp=8, ep=8, dp_attention=8, fp8=True,
-                      seed=3, indexer_topk=True, engine_args=engine_args,
+                      seed=3, indexer_topk=True, model_overrides={"indexer_rope_interleave": True}, engine_args=engine_args,
                       extra=("--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "h:29600"))
     cmd = build_sglang_command(args, python="python")
     assert cmd[:3] == ["python", "-m", "sglang.launch_server"]
     parsed = parse_flags(cmd[3:], wheel_table)
     assert [f for f, _, _ in parsed][-3:] == ["--chunked-prefill-size", "--cuda-graph-bs-decode", "--disable-radix-cache"]
     assert dict((f, v) for f, _, v in parsed)["--cuda-graph-bs-decode"] == ["1", "2", "4"]
-    assert {"--enable-return-indexer-topk", "--attn-dp-size", "--random-seed"} <= {f for f, _, _ in parsed}
+    assert {"--enable-return-indexer-topk", "--attn-dp-size", "--random-seed", "--json-model-override-args"} <= \
+        {f for f, _, _ in parsed}
 
 
 def test_the_parser_check_refuses_what_argparse_would(wheel_table):
