@@ -115,7 +115,13 @@ def make_plan(inp: PlanInput) -> Plan:
     if plan.engine.tokens_per_engine < plan.kv_demand:
         plan.notes.append(f"KV cache holds {plan.engine.tokens_per_engine / 1e6:.2f}M tokens per engine, "
                           f"{plan.kv_demand / 1e6:.2f}M are in flight at full length: requests will queue")
+    if inp.engine.fp8_weights and inp.gpu.name in FP8_REFUSED_GPUS:
+        plan.notes.append(f"FP8 engines on {inp.gpu.name} are refused at launch (SGLang 0.5.23 re-quantises their "
+                          "scales to UE8M0 at load, docs/engines.md): plan with rollout.engine_fp8=false")
     return plan
+
+
+FP8_REFUSED_GPUS = ("b200",)   # planner GPUs of the Blackwell kind (rollout/sglang_launcher.py check_fp8_engine_gpu)
 
 
 def _plan_sender(plan: Plan) -> None:

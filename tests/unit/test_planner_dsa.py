@@ -90,3 +90,16 @@ def test_dsa_layers_keep_dense_scores_on_transformer_engine_too():
     # full recompute rebuilds one layer at a time during backward: its scores once, 10 tokens x 2 bytes
     full = activation_bytes(CFG, Layout(), 0, 10, "full", 2, value_head=True, seq_len=10)
     assert full - activation_bytes(dense, Layout(), 0, 10, "full", 2, value_head=True, seq_len=10) == 125 * 10 * 2
+
+
+def test_plan_on_b200_says_fp8_engines_are_refused():
+    from dataclasses import replace
+
+    from test_plan_time import _qwen_input
+
+    from parallel.planner import GPUS, make_plan
+    from parallel.planner.engine import EngineOptions
+
+    fp8 = replace(_qwen_input(), engine=EngineOptions(tp=4, ep=4, fp8_weights=True))
+    assert any("FP8 engines on b200 are refused" in n for n in make_plan(replace(fp8, gpu=GPUS["b200"])).notes)
+    assert not any("FP8 engines" in n for n in make_plan(fp8).notes)   # h100
