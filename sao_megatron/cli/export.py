@@ -196,7 +196,8 @@ def _as_token_classifier(tensors, hf_config: dict):
             else:
                 yield name, tensor
 
-    arch = next(iter(hf_config.get("architectures") or ["ForCausalLM"])).replace("ForCausalLM", "ForTokenClassification")
+    causal = next(iter(hf_config.get("architectures") or ["ForCausalLM"]))
+    arch = causal.replace("ForCausalLM", "ForTokenClassification")
     return renamed(), {"architectures": [arch], "num_labels": 1, "id2label": {"0": "value"},
                        "label2id": {"value": 0}, "classifier_dropout": 0.0}
 

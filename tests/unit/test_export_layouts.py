@@ -69,7 +69,8 @@ def test_export_of_a_two_rank_checkpoint(tiny_model_dir, tmp_path, layout, fmt):
 
     run_dir = tmp_path / "runs" / "t"
     run_dir.mkdir(parents=True)
-    saved = run_distributed_test(_save_run, world_size=2, timeout_s=600, args=(str(tiny_model_dir), str(run_dir), layout, fmt))[0]
+    saved = run_distributed_test(_save_run, world_size=2, timeout_s=600,
+                                 args=(str(tiny_model_dir), str(run_dir), layout, fmt))[0]
     fp8 = layout == {"tp": 2} and fmt == "distributed"
     codes = run_distributed_test(_export, world_size=1, timeout_s=600, args=(str(run_dir), fp8))[0]
     assert codes == [0] * len(codes)

@@ -95,7 +95,8 @@ def check_wandb_text(cfg, p: str) -> None:
     if cfg.wandb_entity:
         matches(f"{p}.wandb_entity", cfg.wandb_entity, WANDB_ENTITY, "a wandb entity (letters, digits, '_', '-')")
     if cfg.wandb_group:
-        matches(f"{p}.wandb_group", cfg.wandb_group, WANDB_PROJECT, "a wandb group name (1-128 characters, none of / \\ # ? % :)")
+        matches(f"{p}.wandb_group", cfg.wandb_group, WANDB_PROJECT,
+                "a wandb group name (1-128 characters, none of / \\ # ? % :)")
     for tag in cfg.wandb_tags:
         require(isinstance(tag, str) and 1 <= len(tag) <= 64, f"{p}.wandb_tags", f"tag {tag!r} is not 1-64 characters "
                 "of text", "write tags as strings of 1 to 64 characters")
