@@ -174,3 +174,27 @@ def test_export_refuses_a_corrupted_checkpoint_naming_the_file(exported, tmp_pat
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and shard.name in err and "step_N" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_export_of_a_critic_the_run_did_not_have_is_one_line(exported, tmp_path, capsys):
+    from sao_megatron.cli.main import main
+
+    run_dir, _ = exported
+    assert main(["export", str(run_dir), str(tmp_path / "out"), "--role", "critic"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "holds no critic" in err and "fix:" in err
+
+
+@pytest.mark.parametrize("value", ["-1", "'2'", "1.5"])
+def test_bad_hf_every_fails_at_recipe_check(tmp_path, value):
+    from sao_megatron.core.config import ConfigError, load_recipe
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text('{"num_attention_heads": 4, "num_key_value_heads": 2, '
+                                                 '"num_experts": 8, "num_hidden_layers": 4}')
+    path = tmp_path / "r.toml"
+    path.write_text(f'[run]\noutput_dir = "{tmp_path}"\n[model]\npath = "{tmp_path / "m"}"\n'
+                    f'[checkpoint]\nhf_every = {value}\n')
+    with pytest.raises(ConfigError) as err:
+        load_recipe(path)
+    assert err.value.field == "checkpoint.hf_every" and "\n" not in str(err.value)
