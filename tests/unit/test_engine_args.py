@@ -165,3 +165,18 @@ def test_engine_args_overrides_merge_into_one_flag(tmp_path):
     assert _overrides(cmd) == {"indexer_rope_interleave": False, "x": 1}   # the recipe's own value wins
     with pytest.raises(ConfigError, match="rollout.engine_args: --json-model-override-args 'nope' is not a JSON object"):
         _recipe(tmp_path, 'engine_args = ["--json-model-override-args", "nope"]')
+
+
+def test_sao_train_refuses_to_start_fp8_engines_on_blackwell(tmp_path, monkeypatch):
+    """launch_sglang checks the engine's GPU before it starts anything (no process is spawned)."""
+    import importlib.util
+    import subprocess
+
+    from rollout import sglang_launcher
+
+    recipe = _recipe(tmp_path, "engine_fp8 = true")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())   # "SGLang is installed"
+    monkeypatch.setattr(sglang_launcher, "_gpu_of", lambda index: ((10, 0), "NVIDIA B200"))
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("an engine was started"))
+    with pytest.raises(RuntimeError, match=r"rollout.engine_fp8: this engine's GPU is NVIDIA B200 \(SM100\)"):
+        sglang_launcher.launch_sglang(recipe, 0, 30000, "", tmp_path / "e.log", timeout_s=1)
