@@ -3,6 +3,11 @@
 Written with torch.utils.tensorboard.SummaryWriter (the `tensorboard` package, a dependency of
 sao-megatron), imported here so a run without the sink never loads it. Only numbers are written, as
 scalars under the metric's own name (train/pg_clipfrac, ...), at the trainer step.
+
+A resumed run logs again from its checkpoint's step + 1, and event files of the earlier attempt may
+hold later steps. The writer is opened at the first logged step with purge_step = that step, so
+TensorBoard hides every older event at or after it (SummaryWriter's purge_step: a SessionLog.START
+event at that step), as metrics.jsonl is cut back (rewind.py).
 """
 from __future__ import annotations
 
@@ -20,9 +25,12 @@ class TensorBoardSink(MetricSink):
                               "(or set logging.tensorboard = false)") from err
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         self.log_dir = Path(log_dir)
-        self._writer = SummaryWriter(log_dir=str(log_dir))
+        self._open = lambda step: SummaryWriter(log_dir=str(log_dir), purge_step=step)
+        self._writer = None
 
     def log(self, metrics, step):
+        if self._writer is None:
+            self._writer = self._open(step)
         for key, value in metrics.items():
             number = _to_float(value)
             if number is not None:
@@ -30,4 +38,5 @@ class TensorBoardSink(MetricSink):
         self._writer.flush()   # a crashed run keeps every step logged so far
 
     def close(self):
-        self._writer.close()
+        if self._writer is not None:
+            self._writer.close()

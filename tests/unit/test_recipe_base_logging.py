@@ -134,3 +134,22 @@ def test_tensorboard_sink_writes_the_scalars(tmp_path):
     events.Reload()
     assert sorted(events.Tags()["scalars"]) == ["rollout/raw_reward", "train/lr"]
     assert [(e.step, e.value) for e in events.Scalars("rollout/raw_reward")] == [(1, 0.25), (2, 0.5)]
+
+
+def test_tensorboard_after_a_resume_shows_each_step_once(tmp_path):
+    """A resumed run logs steps 2-3 again: TensorBoard shows the resumed values, not both."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from sao_megatron.metrics.tensorboard import TensorBoardSink
+
+    first = TensorBoardSink(tmp_path / "tb")
+    for step in (1, 2, 3):
+        first.log({"train/lr": float(step)}, step)
+    first.close()
+    resumed = TensorBoardSink(tmp_path / "tb")
+    for step in (2, 3):
+        resumed.log({"train/lr": 10.0 * step}, step)
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/lr")] == [(1, 1.0), (2, 20.0), (3, 30.0)]
