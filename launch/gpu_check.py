@@ -44,6 +44,8 @@ REQUIRED = {
     "tests/gpu/test_cuda_reference_server_sync.py::test_cuda_server_logprobs_equal_trainer_logprobs[gloo]":
         "reference server on CUDA: logprobs equal the trainer's",
     "tests/gpu/test_optimizer_offload.py::test_offloaded_adam_matches_the_gpu_optimizer": "optimizer CPU offload",
+    "tests/gpu/test_cuda_glm5_dsa.py::test_glm5_trainer_replays_the_cuda_servers_routes_and_selections":
+        "tiny GLM-5 (MLA + DSA) on CUDA: trainer replays the server's routes and indexer selections",
 }
 PROBE = """
 import importlib, importlib.metadata as md, json, sys

@@ -45,7 +45,9 @@ class IndexerSelection:
         self.agreement = None                            # parallel.indexer_replay.IndexerAgreement
 
     def set_targets(self, targets: Optional[torch.Tensor]) -> None:
-        self.targets = targets
+        """Before each forward: a new forward is never a recompute (the backward hook of a chunk's output
+        switches to the queue again when that micro-batch's backward starts)."""
+        self.targets, self.in_backward = targets, False
         if targets is not None:
             self.backward.append(targets)
 

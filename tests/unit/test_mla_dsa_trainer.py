@@ -196,3 +196,23 @@ def test_replay_holds_under_full_recompute_and_the_indexer_loss_trains_the_index
     assert all(torch.equal(after_plain[k], start[k]) for k in indexer)
     assert any(not torch.equal(after_trained[k], start[k]) for k in indexer)
     assert abs(trained["loss"] - plain["loss"]) < 1e-6   # the indexer loss rides on the gradient only
+
+
+def test_each_micro_batch_of_a_step_attends_its_own_replayed_keys(glm5):
+    """A training step's forwards see the same logprobs as the no-grad pass, micro-batch by micro-batch
+    (the second must not take the first one's selection once the first's backward has run)."""
+    model_dir, hf, trainer = glm5
+    kinds = list(trainer.config.sao_indexer_types)
+    batches = [dsa_check.with_selection(b, dsa_check.random_selection(b.tokens.shape[0], SEQ, kinds, 4, seed=10 + i))
+               for i, b in enumerate(lc.fixed_batches(hf.config.vocab_size, num=2, seq=SEQ, seed=4))]
+    expected = [logp for logp, _ in trainer.compute_logprobs(batches)]
+    seen = []
+
+    def loss_fn(batch, outputs):
+        seen.append(outputs["logp"].detach().clone())
+        return lc.policy_gradient_loss(batch, outputs)
+
+    trainer.train_step(batches, loss_fn)
+    assert len(seen) == 2
+    for got, want in zip(seen, expected):
+        assert float((got - want).abs().max()) < 1e-6
