@@ -211,6 +211,49 @@ def test_a_receive_as_the_groups_source_is_refused_before_any_bytes_are_installe
     assert "\n" not in str(err.value) and "The old weights stay" in str(err.value)
 
 
+def test_a_broadcast_cut_short_installs_nothing(server, tiny_model_dir):
+    """The sender announces two tensors and sends only the first (a changed model.norm.weight), then
+    goes quiet: the receive of the second times out, the call fails with one line, and the first
+    tensor, although it arrived whole, is not installed either."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from parallel.distributed import free_port
+    from rollout.reference_server.weight_group import init_weight_update_group
+
+    (weights,) = Path(tiny_model_dir).glob("*.safetensors")
+    on_disk = load_file(str(weights))
+    names = [NORM, "model.embed_tokens.weight"]
+    before, port, box = _norm(server.url), free_port(), {}
+
+    def sender():
+        box["group"] = init_weight_update_group("127.0.0.1", port, 0, 2, "cut_short", "gloo", timeout_s=120)
+        dist.broadcast(on_disk[NORM] + 1.0, src=0, group=box["group"])   # ... and never the second
+
+    thread = threading.Thread(target=sender)
+    thread.start()
+    joined = _call(server.url, "/init_weights_update_group", json.dumps({
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+        "group_name": "cut_short", "backend": "gloo"}).encode())
+    try:
+        assert joined[0] == 200, joined
+        assert _call(server.url, "/begin_weight_update", b"{}")[0] == 200
+        status, text = _call(server.url, "/update_weights_from_distributed", json.dumps({
+            "names": names, "dtypes": [str(on_disk[n].dtype).replace("torch.", "") for n in names],
+            "shapes": [list(on_disk[n].shape) for n in names], "group_name": "cut_short"}).encode())
+        assert _call(server.url, "/end_weight_update", b"{}")[0] == 200
+        thread.join(120)   # its one broadcast was received
+        assert not thread.is_alive()
+    finally:
+        _call(server.url, "/destroy_weights_update_group", json.dumps({"group_name": "cut_short"}).encode())
+        dist.destroy_process_group(box["group"])
+    reply = json.loads(text)
+    assert status == 400 and reply["success"] is False and "\n" not in reply["message"]
+    assert "Failed to receive weights: receiving tensor 'model.embed_tokens.weight'" in reply["message"]
+    assert _norm(server.url) == before == on_disk[NORM].float().tolist()[:len(before)]
+    _good_request_works(server.url)
+
+
 # ---- the property-based pass over /generate bodies ----
 
 SURROGATES = st.sampled_from(["\ud800", "\udfff", "\udc80"])
