@@ -151,7 +151,7 @@ def test_verdict_a_kit_whose_checks_skipped_fails():
     from launch.gpu_check import verdict
 
     ok, line = verdict(_tests("skipped"), dry_run=False, timed_out=False, code=0)
-    assert not ok and line.startswith("8 required check(s) did not pass") and line.endswith("needs CUDA")
+    assert not ok and line.startswith("9 required check(s) did not pass") and line.endswith("needs CUDA")
 
 
 def test_verdict_passes_only_when_every_required_check_passed():
@@ -159,7 +159,7 @@ def test_verdict_passes_only_when_every_required_check_passed():
 
     extra = {"tests/gpu/test_te_parallel.py::test_te_spec_matches_local_spec_in_fp32": "skipped"}
     assert verdict(_tests("passed", **extra), False, False, 0) == (
-        True, "all 8 required checks passed (8 passed, 1 skipped)")
+        True, "all 9 required checks passed (9 passed, 1 skipped)")
     failing = {"tests/gpu/test_te_parallel.py::test_te_spec_matches_local_spec_in_fp32": "failed"}
     assert verdict(_tests("passed", **failing), False, False, 1)[1].startswith("1 failed: tests/gpu/test_te_parallel")
     assert verdict(_tests("passed"), False, True, -9)[0] is False
@@ -167,7 +167,7 @@ def test_verdict_passes_only_when_every_required_check_passed():
     some.pop(next(iter(some)))
     assert verdict(some, False, False, 0)[1].startswith("1 required check(s) not collected")
     assert verdict(_tests("collected"), True, False, 0) == (
-        True, "dry run: 8 GPU tests collected, the 8 required among them")
+        True, "dry run: 9 GPU tests collected, the 9 required among them")
 
 
 def test_junit_outcomes_name_tests_by_node_id(tmp_path):
