@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -38,6 +39,7 @@ from .manifest import (CheckpointCorruptError, check_sizes, describe_files, read
                        write_json_durably)
 
 LATEST = "latest"
+_WORKER_OS_ERROR = re.compile(r"Worker failure: \[Errno (\d+)\] ([^:]+)")
 PREFIX = "step_"
 
 
@@ -74,7 +76,10 @@ class RunCheckpointer:
         tmp = self.root / f".tmp-{final.name}"
         try:
             return self._save(step, components, final, tmp)
-        except OSError as err:
+        except BaseException as raised:   # noqa: BLE001 - only a refused write is turned into the one line
+            err = _os_error_in(raised)
+            if err is None:
+                raise
             shutil.rmtree(tmp, ignore_errors=True)
             previous = self.latest()
             kept = f"the previous checkpoint {previous.name} is intact" if previous is not None and previous.is_dir() \
@@ -268,6 +273,31 @@ class RunCheckpointer:
         if older:
             return f"; fix: resume from the previous checkpoint with checkpoint.resume={older[-1]}"
         return "; no earlier checkpoint exists: fix: start fresh with checkpoint.resume=never"
+
+
+def _os_error_in(raised: BaseException, depth: int = 0):
+    """The OSError behind a failed save: itself, its cause or context, or (Megatron's torch_dist writer)
+    inside `RuntimeError(f"Worker failure: {exc}") from exc` (dist_checkpointing/strategies/
+    filesystem_async.py:444-447), itself inside torch's CheckpointException(failures={rank: (exc, tb)}).
+    The failures travel pickled between ranks, which drops __cause__: the errno is then read back from
+    the message, which str(OSError) starts with '[Errno N] strerror'."""
+    if isinstance(raised, OSError):
+        return raised
+    worker = _WORKER_OS_ERROR.match(str(raised)) if isinstance(raised, RuntimeError) else None
+    if worker:
+        return OSError(int(worker[1]), worker[2])
+    if depth > 8:
+        return None
+    inner = [raised.__cause__, raised.__context__]
+    failures = getattr(raised, "failures", None)
+    if isinstance(failures, dict):
+        inner += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    for exc in inner:
+        if isinstance(exc, BaseException):
+            found = _os_error_in(exc, depth + 1)
+            if found is not None:
+                return found
+    return None
 
 
 def _is_distributed(component) -> bool:

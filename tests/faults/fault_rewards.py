@@ -39,5 +39,23 @@ def _disk_full_from_step_2() -> None:
     run_state._save_durably = save
 
 
-if os.environ.get("SAO_FAULT_DISK_FULL"):   # only in the `sao train` subprocess that asks for it
+def _disk_full_in_the_distributed_policy_from_step_2() -> None:
+    """Megatron's torch_dist writer opens each shard file with the builtin open (filesystem_async.py:383,
+    in forked writer processes too, which inherit this patch): it finds the disk full from step 2."""
+    import builtins
+    import errno
+
+    real = builtins.open
+
+    def full_open(file, mode="r", *args, **kwargs):
+        if "w" in str(mode) and f"{os.sep}.tmp-step_00000002{os.sep}policy{os.sep}" in str(file):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file))
+        return real(file, mode, *args, **kwargs)
+
+    builtins.open = full_open
+
+
+if os.environ.get("SAO_FAULT_DISK_FULL") == "1":   # only in the `sao train` subprocess that asks for it
     _disk_full_from_step_2()
+elif os.environ.get("SAO_FAULT_DISK_FULL") == "policy":
+    _disk_full_in_the_distributed_policy_from_step_2()

@@ -279,9 +279,10 @@ def test_read_only_checkpoint_dir_is_one_line_and_nothing_changes(tmp_path, monk
     assert _tree(ckpt.root) == before
 
 
-def test_sao_train_disk_full_at_a_checkpoint_exits_1_with_one_line_and_keeps_the_previous(tmp_path):
+@pytest.mark.parametrize("where", ["1", "policy"], ids=["per_rank_file", "distributed_policy"])
+def test_sao_train_disk_full_at_a_checkpoint_exits_1_with_one_line_and_keeps_the_previous(tmp_path, where):
     proc = _sao_train(tmp_path, "rollout.reward_fn='tests.faults.fault_rewards:zero_and_disk_full_from_step_2'",
-                      "run.num_steps=3", "checkpoint.interval=1", env={"SAO_FAULT_DISK_FULL": "1"},
+                      "run.num_steps=3", "checkpoint.interval=1", env={"SAO_FAULT_DISK_FULL": where},
                       after=["critic.warmup_steps=10"])   # critic steps only: no weight sync needed
     try:
         _, err = proc.communicate(timeout=600)
@@ -295,3 +296,27 @@ def test_sao_train_disk_full_at_a_checkpoint_exits_1_with_one_line_and_keeps_the
     ckpt = tmp_path / "e2e" / "checkpoints"
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000001"]   # no .tmp-step_* left
     assert (ckpt / "latest").read_text() == "step_00000001"
+
+
+class _ReadOnlyShards:
+    """A distributed component whose writer fails as Megatron's torch_dist one does across ranks: torch's
+    CheckpointException holding the worker's RuntimeError, its OSError cause lost in the pickling."""
+
+    distributed_checkpoint = True
+
+    def save_distributed(self, path):
+        import traceback
+
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        (path / "__0_0.distcp").write_bytes(b"partial")
+        worker = RuntimeError(f"Worker failure: [Errno {errno.EROFS}] {os.strerror(errno.EROFS)}: '{path}'")
+        raise CheckpointException("write", {0: (worker, traceback.StackSummary())})
+
+
+def test_a_distributed_writer_refused_by_the_disk_is_the_same_one_line(tmp_path):
+    ckpt, parts = _ckpt_with_one_save(tmp_path)
+    with pytest.raises(CheckpointWriteError, match=r"Read-only file system \(EROFS\); the previous checkpoint "
+                                                   r"step_00000001 is intact"):
+        ckpt.save(2, {**parts, "policy": _ReadOnlyShards()})
+    assert sorted(p.name for p in ckpt.root.iterdir()) == ["latest", "step_00000001"]
