@@ -120,6 +120,10 @@ def mla_kwargs(hf) -> dict:
 
 def megatron_kwargs(hf) -> dict:
     kwargs = mla_kwargs(hf)
+    if hf.get("indexer_rope_interleave") is False:
+        raise SpecError("config.json indexer_rope_interleave = false: transformers' GLM-5 indexer, the reference "
+                        "server and the trainer rotate interleaved pairs only (modeling_glm_moe_dsa.py:220), so "
+                        "the selections would differ from SGLang's; only interleaved GLM-5 checkpoints map")
     if hf.get("index_topk"):
         # Megatron reads these fields only to hand the core attention its indexer inputs and to size
         # nothing else: our core attention (parallel/mla_attention.py) owns the indexer.

@@ -93,3 +93,12 @@ def test_context_parallel_on_local_spec_is_one_line_error(tiny_model_dir):
     cfg = specs.transformer_config(hf, ParallelDims(cp=2))
     with pytest.raises(specs.SpecError, match=r"parallel.cp=2 needs the Transformer Engine layer spec"):
         specs.layer_spec(cfg, "auto")
+
+
+def test_non_interleaved_rope_is_one_line_error():
+    from parallel.model_shapes import get_shape
+
+    for key in ("rope_interleave", "indexer_rope_interleave"):
+        with pytest.raises(specs.SpecError, match=f"config.json {key} = false") as err:
+            specs.transformer_config(dict(get_shape("glm5-744b-a40b"), **{key: False}), ParallelDims())
+        assert "\n" not in str(err.value)
