@@ -37,7 +37,8 @@ class MetricSink(abc.ABC):
 
 
 class JsonlSink(MetricSink):
-    """runs/<name>/metrics.jsonl: one object per step with a `step` key. Appends on resume."""
+    """runs/<name>/metrics.jsonl: one object per step with a `step` key. Appends on resume, after
+    rewind.py has cut the rows past the resumed step (so no step repeats)."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
