@@ -8,6 +8,7 @@ trip is bit-exact.
 """
 from __future__ import annotations
 
+import json
 import sys
 
 
@@ -59,6 +60,11 @@ def run(args) -> int:
             out = write_block_fp8_checkpoint(args.hf_dir, args.out_dir, tuple(args.ignore), args.max_shard_mb)
         else:
             out = mcore_dir_to_hf(args.mcore_dir, args.out_dir, max_shard_mb=args.max_shard_mb)
+    except json.JSONDecodeError as err:   # a config.json or index that is not JSON: name the directory
+        source = getattr(args, "hf_dir", None) or args.mcore_dir
+        print(f"sao convert {args.direction}: a JSON file in {source} does not parse ({err}); fix: restore its "
+              "config.json / index", file=sys.stderr)
+        return 2
     except (ValueError, KeyError, OSError, RuntimeError) as err:
         print(f"sao convert {args.direction}: {err}", file=sys.stderr)
         return 2

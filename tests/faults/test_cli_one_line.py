@@ -64,6 +64,13 @@ def test_convert_of_a_corrupt_or_lying_safetensors_is_one_line(model_copy, tmp_p
     assert not out.exists()
 
 
+def test_convert_of_a_model_whose_config_is_not_json_names_the_directory(model_copy, tmp_path, capsys):
+    (model_copy / "config.json").write_text("{not json")
+    assert main(["convert", "hf-to-mcore", str(model_copy), str(tmp_path / "out")]) == 2
+    _one_line_error(capsys, str(model_copy), "does not parse", "fix")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("out", [".", "sub", ".."])
 def test_convert_refuses_an_output_overlapping_its_input(model_copy, capsys, out):
     before = _tree(model_copy.parent)
