@@ -47,6 +47,7 @@ class ServerState:
         self.groups: dict[str, object] = {}
         self.session: Optional[str] = None              # the selector of the open weight-update session
         self.flush_pending = False
+        self.disk_read: Optional[str] = None            # the model_path a disk update is still reading
         self.in_flight: set[str] = set()                # rids of /generate requests not yet answered
         self.tp_ranks = TPRanks(tp, weight_sync_timeout_s)
         # one thread for group formation and broadcast receives, so they keep the trainer's order

@@ -166,8 +166,8 @@ def _tensor_meta(body: dict) -> tuple[list, list, list]:
         [parse_dtype(d) for d in dtypes]
     except ValueError as err:
         raise BadRequest(f"field 'dtypes': {err}") from None
-    if not all(isinstance(s, list) and all(isinstance(x, int) and x >= 0 for x in s) for s in shapes):
-        raise BadRequest("field 'shapes' must be a list of lists of non-negative ints")
+    if not all(isinstance(s, list) and all(isinstance(x, int) and 0 <= x < 2**63 for x in s) for s in shapes):
+        raise BadRequest("field 'shapes' must be a list of lists of ints in [0, 2**63)")   # torch sizes are int64
     return names, dtypes, shapes
 
 
@@ -250,7 +250,7 @@ async def update_from_disk(state, request: web.Request) -> web.Response:
     path = required(body, "model_path", str)
     version, flush = _version_arg(body), parse_optional(body, "flush_cache", bool, True)
     load_format = parse_optional(body, "load_format", str) or state.load_format
-    busy = getattr(state, "disk_read", None)
+    busy = state.disk_read
     if busy is not None:
         return result(False, f"Failed to update weights: the read of {busy!r} has not finished (a hung file "
                              "or mount?); fix it, or restart the server", num_paused_requests=0)

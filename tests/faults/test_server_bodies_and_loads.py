@@ -99,6 +99,9 @@ def test_the_same_bodies_on_a_control_route_are_400(server):
         assert status == 400 and needle in _message(text), text
     status, text = _call(server.url, "/update_weights_from_disk", b'{"model_path": "/tmp/\\ud800"}')
     assert status == 400 and "field 'model_path' holds a lone UTF-16 surrogate" in _message(text), text
+    shapes = {"names": [NORM], "dtypes": ["float32"], "shapes": [[2**70]]}   # torch.empty: TypeError, a 500
+    status, text = _call(server.url, "/update_weights_from_distributed", json.dumps(shapes).encode())
+    assert status == 400 and "field 'shapes'" in _message(text), text
 
 
 def test_a_non_numeric_query_parameter_is_400_naming_it(server):
