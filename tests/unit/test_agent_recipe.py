@@ -101,6 +101,7 @@ def test_every_agent_name_the_schema_accepts_is_built_here():
     ("rollout.generate_fn=pkg.mod:fn", "rollout.generate_fn"),            # together with rollout.agent
     ("rollout.max_episode_tokens=2", "rollout.max_episode_tokens"),
     ("rollout.max_turns=0", "rollout.max_turns"),
+    ("rollout.agent=code_repair", "rollout.dataset"),                     # a task has no repositories
 ])
 def test_bad_agent_values_are_one_line_errors_naming_the_field(override, field):
     with pytest.raises(ConfigError) as err:

@@ -227,6 +227,8 @@ class RolloutConfig:
         if ":" in self.agent:
             text_rules.import_path(f"{p}.agent", self.agent)
         text_rules.import_path(f"{p}.generate_fn", self.generate_fn)
+        _require(self.agent != "code_repair" or bool(self.dataset), f"{p}.dataset", "rollout.agent = 'code_repair' "
+                 "needs repository rows", "set rollout.dataset to a code-repair jsonl and rollout.prompt_key = 'issue'")
         _require(not (self.agent and self.generate_fn), f"{p}.generate_fn", "is set together with rollout.agent",
                  "keep one: an agent runs its own turns, generate_fn replaces the whole rollout")
         _require(self.max_episode_tokens >= self.max_turns, f"{p}.max_episode_tokens",
