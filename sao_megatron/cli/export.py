@@ -16,8 +16,9 @@ AutoModelForTokenClassification gives the values: logits[..., t, 0] is the value
 --fp8 writes the block-FP8 (128x128) checkpoint FP8 engines load, with the quantizer of
 `sao convert hf-to-fp8` (rollout/weights/fp8_checkpoint.py).
 
-Memory: the whole model lives on this host with its optimizer's buffers (RLModel.build); an export of
-a large model needs a host that holds it a few times over.
+Memory: the whole model lives on this host (one process) or on the run's ranks (per_rank): the policy
+as its weights alone (RLModel's forward-only "reference" build), the critic with its optimizer's
+buffers too (about 5x its bf16 weights).
 """
 from __future__ import annotations
 
@@ -143,10 +144,12 @@ def export_recipe(ckpt, one_process: bool = True):
 
 
 def _load_model(ckpt, recipe, role: str):
-    """RLModel of `role` with the checkpoint's weights (not its optimizer state)."""
+    """RLModel of `role` with the checkpoint's weights (not its optimizer state). The policy is built as
+    the trainer builds its reference model: the policy's network, forward only, no optimizer and no
+    gradient buffers (the critic has no such form yet: it is built with its optimizer)."""
     from parallel.rl_model import RLModel
 
-    model = RLModel.build(recipe, role)
+    model = RLModel.build(recipe, "reference" if role == "policy" else role)
     if role in ckpt.distributed:
         _load_distributed_weights(model, ckpt.step_dir / role)
     else:
