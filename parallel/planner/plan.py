@@ -178,8 +178,9 @@ def search_layouts(inp: PlanInput, limit: int = 5) -> list[Plan]:
     tps = [t for t in (1, 2, 4, 8) if t <= max(inp.gpus_per_node, 1)]
     pps = [p for p in (1, 2, 4, 8, 16) if p <= cfg["num_hidden_layers"]]
     eps = [e for e in (1, 2, 4, 8, 16, 32, 64, 128, 256) if e <= experts]
+    cps = (1,) if cfg.get("index_topk") else (1, 2, 4, 8)   # DSA selects over the whole sequence: no CP
     fitting = []
-    for tp, pp, cp, ep in itertools.product(tps, pps, (1, 2, 4, 8), eps):
+    for tp, pp, cp, ep in itertools.product(tps, pps, cps, eps):
         layout = Layout(tp=tp, pp=pp, cp=cp, ep=ep, etp=1)
         if layout_problem(cfg, layout, max(world, 1)):
             continue
