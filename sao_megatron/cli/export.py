@@ -199,8 +199,15 @@ def _as_token_classifier(tensors, hf_config: dict):
             else:
                 yield name, tensor
 
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+
     causal = next(iter(hf_config.get("architectures") or ["ForCausalLM"]))
     arch = causal.replace("ForCausalLM", "ForTokenClassification")
+    model_type = hf_config.get("model_type", "")
+    if model_type not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES:
+        print(f"sao export: transformers has no token-classification model for {model_type!r}: the critic's "
+              "weights are written (backbone + score.weight), but AutoModelForTokenClassification will not load "
+              "them", file=sys.stderr)
     return renamed(), {"architectures": [arch], "num_labels": 1, "id2label": {"0": "value"},
                        "label2id": {"value": 0}, "classifier_dropout": 0.0}
 
