@@ -198,3 +198,17 @@ def test_bad_hf_every_fails_at_recipe_check(tmp_path, value):
     with pytest.raises(ConfigError) as err:
         load_recipe(path)
     assert err.value.field == "checkpoint.hf_every" and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("extra, words", [(["--max-shard-mb", "0"], "--max-shard-mb"),
+                                          (["--timeout-s", "-1"], "--timeout-s"), ([], "not empty")])
+def test_export_arguments_are_checked_in_one_line(tmp_path, capsys, extra, words):
+    from sao_megatron.cli.main import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    if not extra:
+        (out / "x").write_text("taken")
+    assert main(["export", str(tmp_path / "runs" / "t"), str(out), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and words in err and "fix:" in err
