@@ -18,6 +18,10 @@ Health checks (rid prefix ``HEALTH_CHECK``, SGLang constants.py:12): when anythi
 or queued, the check is dropped instead of run, because the next step's output already proves the
 scheduler alive (SGLang scheduler.py:2241 "Skip health check when server is busy").
 ``last_output`` is the time of the last step: SGLang's /health waits for any output after it asked.
+
+DSA indexer top-k: recorded, like routes, for requests that set ``return_indexer_topk`` when the
+server runs with ``--enable-return-indexer-topk`` and the model has an indexer; otherwise the reply
+has no such field, as SGLang's (docs/engines.md "DSA indexer top-k").
 """
 from __future__ import annotations
 

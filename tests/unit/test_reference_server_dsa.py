@@ -49,7 +49,7 @@ def mla_dir(request, tmp_path_factory):
 
 
 def test_slot_cache_keys_values_and_indexer_keys_of_their_own_widths():
-    cache = SlotCache(num_layers=1, max_batch=3, dtype=torch.float32, capacity=2)
+    cache = SlotCache(num_layers=1, max_batch=3, capacity=2)
     keys, values, index = torch.randn(2, 4, 3, 24), torch.randn(2, 4, 3, 16), torch.randn(2, 3, 16)
     cache.grow(3)
     rows, cols = torch.tensor([0, 0, 0, 1, 1]), torch.tensor([0, 1, 2, 0, 1])     # row 1 fed 2 tokens
@@ -206,6 +206,7 @@ def test_client_gets_logical_positions_equal_to_a_teacher_forced_pass(servers, g
         scored = runner.score(tokens[:-1])
         assert res.indexer_topk.shape == (len(tokens) - 1, 4, 4)
         assert torch.equal(res.indexer_topk, fill_every_key_rows(scored.indexer_topk)), req.rid
+        assert torch.equal(res.routed_experts.sort(-1).values, scored.routes.sort(-1).values), req.rid
         logp = torch.log_softmax(scored.logits / 0.7, dim=-1)
         want = [float(logp[len(req.input_ids) - 1 + t, tok]) for t, tok in enumerate(res.output_ids)]
         assert max(abs(a - b) for a, b in zip(want, res.output_logprobs)) < TOL, req.rid
