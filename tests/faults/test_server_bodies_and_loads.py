@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import threading
 import urllib.request
 from pathlib import Path
