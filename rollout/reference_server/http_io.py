@@ -31,21 +31,27 @@ async def read_json(request: web.Request) -> dict:
         return {}
     raw = await request.read()
     try:
-        body = json.loads(raw.decode("utf-8"))
+        body = _parse(raw.decode("utf-8"))
     except RecursionError:   # json's C parser recurses per level: ~1000 levels exhaust the stack
         raise BadRequest(f"request body nests JSON arrays/objects too deeply; use at most {MAX_DEPTH} levels") \
             from None
-    except ValueError as err:   # JSONDecodeError, UnicodeDecodeError, an int past the 4300-digit str limit
-        if "digits" in str(err) and not isinstance(err, json.JSONDecodeError):
-            body = json.loads(raw.decode("utf-8"), parse_int=_int_or_huge)   # again, to name the field
-        else:
-            raise BadRequest(f"request body is not valid JSON: {err}") from None
+    except ValueError as err:   # JSONDecodeError, UnicodeDecodeError
+        raise BadRequest(f"request body is not valid JSON: {err}") from None
     if body is None:
         return {}
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     check_values(body)
     return body
+
+
+def _parse(text: str):
+    try:
+        return json.loads(text)
+    except ValueError as err:   # an int past the 4300-digit str limit is a plain ValueError
+        if isinstance(err, json.JSONDecodeError) or "digits" not in str(err):
+            raise
+    return json.loads(text, parse_int=_int_or_huge)   # again, keeping such ints to name their field
 
 
 class _HugeInt:

@@ -77,6 +77,8 @@ BAD_BODIES = [
     ("5000_digit_token", b'{"input_ids": [' + DIGITS + b"]}", "field 'input_ids[0]' is an integer of 5000 digits"),
     ("5000_digit_top_k", b'{"input_ids": [5], "sampling_params": {"top_k": -' + DIGITS + b"}}",
      "field 'sampling_params.top_k' is an integer of 5000 digits"),
+    ("5000_digits_then_nested", b'{"input_ids": [' + DIGITS + b'], "rid": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+     "too deeply"),
     ("lone_surrogate_text", b'{"text": "abc\\ud800def"}', "field 'text' holds a lone UTF-16 surrogate"),
     ("lone_surrogate_rid", b'{"input_ids": [5], "rid": "\\udfff"}', "field 'rid' holds a lone UTF-16 surrogate"),
     ("lone_surrogate_key", b'{"input_ids": [5], "\\ud834": 1}', "lone UTF-16 surrogate"),
