@@ -2,8 +2,10 @@
 
 ``isolation="bwrap"`` (the default, recipe field ``rollout.sandbox``): bubblewrap gives the run its
 own pid/network/ipc namespaces, a fresh /proc, an empty environment, a read-only view of /usr and
-the Python installation, a private writable working dir and /tmp, and rlimits (CPU seconds strictly
-below the wall limit, address space, file size, processes, open files) before the interpreter starts;
+the Python installation, a working dir and /tmp that are size-capped tmpfs mounts (a write quota that
+never touches the host disk; their file count is checked from here, _over_quota), and rlimits (CPU
+seconds strictly below the wall limit, address space, file size, processes, open files) before the
+interpreter starts;
 as root it also runs under a fresh unprivileged uid (sandbox_bwrap.py), and a seccomp filter refuses
 namespaces, mounts, ptrace, bpf and other kernel attack surface (sandbox_seccomp.py; where libseccomp
 is missing the run goes ahead without it and ``SandboxResult.seccomp`` is False). Where bwrap is missing or
