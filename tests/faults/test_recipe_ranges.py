@@ -19,7 +19,7 @@ from sao_megatron.core.config.schema import SECTIONS
 
 REPO = Path(__file__).resolve().parents[2]
 # Numeric fields whose range is another field's value (checked on the section or the root, not in bounds).
-RANGED_BY_ANOTHER_FIELD = {"eval.max_episode_tokens": "eval.max_turns"}
+RANGED_BY_ANOTHER_FIELD = {"eval.max_episode_tokens": "eval.max_turns", "rollout.max_episode_tokens": "rollout.max_turns"}
 MODEL_CONFIG = ('{"num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 8, "num_hidden_layers": 4, '
                 '"max_position_embeddings": 4096, "model_type": "qwen3_moe"}')
 
