@@ -65,7 +65,8 @@ class RLModel:
         dims = _setup_groups(recipe, specs.arch_shape(hf))
         dtype = torch.bfloat16 if recipe.model.dtype == "bf16" else torch.float32
         config = specs.transformer_config(hf, dims, dtype=dtype, dispatcher=recipe.parallel.dispatcher,
-                                          routing_replay=True, fp8=recipe.model.fp8)
+                                          routing_replay=True, fp8=recipe.model.fp8,
+                                          impl=recipe.model.transformer_impl)
         if recipe.model.recompute != "none":
             config.recompute_granularity = recipe.model.recompute
             if recipe.model.recompute == "full":
@@ -325,6 +326,9 @@ def _refuse_gpu_only_options(recipe) -> None:
     """One-line errors, before any process group, for options that need CUDA."""
     if torch.cuda.is_available():
         return
+    if recipe.parallel.dispatcher == "flex":
+        from .fusions import check_dispatcher
+        check_dispatcher("flex", False, recipe.parallel.tp, recipe.parallel.ep, cuda=False, deep_ep=False)
     if recipe.parallel.cp > 1:
         raise ValueError(f"parallel.cp = {recipe.parallel.cp} needs CUDA and Transformer Engine (Megatron's local "
                          "attention asserts cp == 1); fix: set parallel.cp = 1 on CPU")

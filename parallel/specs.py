@@ -2,7 +2,8 @@
 
 What differs per family (router, attention kind, dense first layers, RoPE) is the family's entry in
 checkpoints/arch (`Family.megatron`, `.mla`, `.rotary`); this module adds what every family shares:
-sizes, RMSNorm, SwiGLU, parallel sizes, dtype, and the CUDA-only fusions turned off.
+sizes, RMSNorm, SwiGLU, parallel sizes, dtype; kernels and fusions per implementation come from
+parallel/fusions.py.
 
 Local (torch) layer specs on CPU, Transformer Engine specs on GPU: ``use_transformer_engine`` is the
 single place that chooses. Multi-latent attention (GLM-5, DeepSeek-V3) runs our core attention
@@ -64,11 +65,9 @@ def _common_kwargs(hf, dims: ParallelDims, dtype: torch.dtype, dispatcher: str, 
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
         init_method_std=float(hf.get("initializer_range", 0.02)),
         hidden_dropout=0.0, attention_dropout=0.0,
-        # Fusions need CUDA kernels (and the norm fusions assert on the torch norm).
-        bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
-        persist_layer_norm=False, gradient_accumulation_fusion=False, bias_dropout_fusion=False,
-        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_grouped_gemm=False,
-        moe_token_dispatcher_type=dispatcher, moe_enable_routing_replay=replay,
+        # Kernels and fusions (grouped GEMM, permute/SwiGLU/RoPE fusion, dispatcher) come from
+        # fusions.kernel_kwargs, per implementation.
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_enable_routing_replay=replay,
         tensor_model_parallel_size=dims.tp, pipeline_model_parallel_size=dims.pp,
         virtual_pipeline_model_parallel_size=dims.vpp_or_none, expert_model_parallel_size=dims.ep,
         num_layers_in_last_pipeline_stage=dims.megatron_last_stage_layers(shape.num_layers),
@@ -82,10 +81,13 @@ def _common_kwargs(hf, dims: ParallelDims, dtype: torch.dtype, dispatcher: str, 
 
 
 def transformer_config(hf: Mapping[str, Any], dims: ParallelDims, dtype: torch.dtype = torch.float32,
-                       dispatcher: str = "alltoall", routing_replay: bool = True, fp8: str = "none"):
-    """The Megatron TransformerConfig for an HF config dict under `dims`."""
+                       dispatcher: str = "alltoall", routing_replay: bool = True, fp8: str = "none",
+                       impl: str = "auto"):
+    """The Megatron TransformerConfig for an HF config dict under `dims`; `impl` is
+    model.transformer_impl (its kernels and fusions: parallel/fusions.py)."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+    from . import fusions
     from .fp8 import fp8_config_kwargs
 
     fam = family_of_config(hf)
@@ -96,7 +98,11 @@ def transformer_config(hf: Mapping[str, Any], dims: ParallelDims, dtype: torch.d
         raise SpecError(f"parallel.cp = {dims.cp} with a DSA model (index_topk in config.json): sparse attention "
                         "selects keys over the whole sequence on one rank (Megatron's DSAttention asserts cp == 1 "
                         "too); fix: set parallel.cp = 1")
+    use_te = use_transformer_engine(impl)
+    fusions.check_dispatcher(dispatcher, use_te, dims.tp, dims.ep, torch.cuda.is_available(),
+                             dispatcher == "flex" and fusions.deep_ep_importable())
     kwargs = _common_kwargs(hf, dims, dtype, dispatcher, routing_replay)
+    kwargs.update(fusions.kernel_kwargs(use_te, fam.mla, dispatcher, use_te and fusions.wgrad_kernel_importable()))
     kwargs.update(fp8_config_kwargs(fp8))
     kwargs.update(fam.megatron(hf))
     config = (MLATransformerConfig if fam.mla else TransformerConfig)(**kwargs)

@@ -100,7 +100,8 @@ class ParallelConfig:
     micro_batch_tokens: int = doc(4096, "Token budget of one packed micro-batch per context-parallel rank; at "
                                          "least one whole sequence, (max_prompt_len + max_new_tokens) / cp.",
                                    bounds=">= 16")
-    dispatcher: Literal["alltoall", "allgather"] = doc("alltoall", "MoE token dispatcher.")
+    dispatcher: Literal["alltoall", "allgather", "flex"] = doc(
+        "alltoall", "MoE token dispatcher; flex = DeepEP (GPU, deep_ep installed, tp*ep > 1).")
     distributed_optimizer: bool = doc(False, "Megatron distributed optimizer (GPU).")
     optimizer_offload: bool = doc(False, "Adam state and fp32 master weights on the host, updated by CPU Adam "
                                          "(Megatron's HybridDeviceOptimizer; GPU only, needs distributed_optimizer).")
