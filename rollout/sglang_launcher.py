@@ -106,8 +106,17 @@ def build_sglang_command(a: SGLangArgs, python: str = sys.executable) -> list[st
         cmd += ["--random-seed", str(a.seed)]
     if a.model_overrides:   # set on the HF config before the model is built (utils/hf_transformers/config.py:405-411)
         cmd += ["--json-model-override-args", json.dumps(a.model_overrides, sort_keys=True)]
-    return cmd + list(a.extra) + list(a.engine_args)
+    cmd += list(a.extra) + list(a.engine_args)
+    if a.indexer_topk:
+        # With SGLANG_DSA_FUSE_TOPK on (its default, environ.py:1978) the captured top-k are page-table slots
+        # on decode and batch-wide ragged offsets on prefill (layers/attention/dsa/dsa_topk_backend.py:204,
+        # 218); the unfused path returns each row's logical key positions (:109, :272, :303), which replay
+        # needs (docs/engines.md, "DSA indexer top-k").
+        cmd = ["env", f"{DSA_UNFUSED_TOPK}=0"] + cmd
+    return cmd
 
+
+DSA_UNFUSED_TOPK = "SGLANG_DSA_FUSE_TOPK"   # 0: indexer top-k captured as logical positions
 
 INDEXER_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")   # GlmMoeDsaConfig defaults index_topk to 2048
 

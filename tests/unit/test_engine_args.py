@@ -42,7 +42,9 @@ def test_indexer_models_return_topk_with_dp_attention_over_the_engine(tmp_path, 
     recipe = _recipe(tmp_path, "engine_tp = 8\nengine_ep = 8", hf)
     cmd = build_sglang_command(args_from_recipe(recipe, 0, 30000, ""), python="py")
     assert "--enable-return-indexer-topk" in cmd and _flag(cmd, "--attn-dp-size") == "8"
-    parse_flags(cmd[3:])   # every rendered flag is one SGLang 0.5.23 knows, with its arity
+    # logical key positions need SGLang's unfused top-k (docs/engines.md, "DSA indexer top-k")
+    assert cmd[:3] == ["env", "SGLANG_DSA_FUSE_TOPK=0", "py"]
+    parse_flags(cmd[5:])   # every rendered flag is one SGLang 0.5.23 knows, with its arity
 
 
 def test_dense_deepseek_v3_has_no_indexer_flag(tmp_path):

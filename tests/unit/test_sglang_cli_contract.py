@@ -39,12 +39,19 @@ def test_every_rendered_flag_parses_with_its_arity(wheel_table):
                       seed=3, indexer_topk=True, model_overrides={"indexer_rope_interleave": True}, engine_args=engine_args,
                       extra=("--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "h:29600"))
     cmd = build_sglang_command(args, python="python")
-    assert cmd[:3] == ["python", "-m", "sglang.launch_server"]
-    parsed = parse_flags(cmd[3:], wheel_table)
+    assert cmd[:5] == ["env", "SGLANG_DSA_FUSE_TOPK=0", "python", "-m", "sglang.launch_server"]
+    parsed = parse_flags(cmd[5:], wheel_table)
     assert [f for f, _, _ in parsed][-3:] == ["--chunked-prefill-size", "--cuda-graph-bs-decode", "--disable-radix-cache"]
     assert dict((f, v) for f, _, v in parsed)["--cuda-graph-bs-decode"] == ["1", "2", "4"]
     assert {"--enable-return-indexer-topk", "--attn-dp-size", "--random-seed", "--json-model-override-args"} <= \
         {f for f, _, _ in parsed}
+
+
+def test_the_unfused_top_k_switch_exists_and_defaults_on(wheel_table):
+    """SGLANG_DSA_FUSE_TOPK is a real switch of 0.5.23, on by default: indexer replay must turn it off."""
+    from sglang_wheel import load_sources
+
+    assert "SGLANG_DSA_FUSE_TOPK = EnvBool(True)" in load_sources()["sglang/srt/environ.py"]
 
 
 def test_the_parser_check_refuses_what_argparse_would(wheel_table):
