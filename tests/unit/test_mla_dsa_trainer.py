@@ -216,3 +216,15 @@ def test_each_micro_batch_of_a_step_attends_its_own_replayed_keys(glm5):
     assert len(seen) == 2
     for got, want in zip(seen, expected):
         assert float((got - want).abs().max()) < 1e-6
+
+
+def test_a_checkpoint_whose_indexer_shape_differs_is_one_line(glm5):
+    from safetensors.torch import load_file
+
+    model_dir, _, trainer = glm5
+    tensors = load_file(f"{model_dir}/model.safetensors")
+    tensors["model.layers.1.self_attn.indexer.wk.weight"] = torch.zeros(8, 64)
+    with pytest.raises(Exception, match=r"indexer\.wk\.weight: HF tensors give shape \(8, 64\) .* the model has "
+                                        r"\(16, 64\); config.json and weights disagree") as err:
+        trainer.load_hf_state_dict(tensors)
+    assert "\n" not in str(err.value)
