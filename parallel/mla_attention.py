@@ -19,7 +19,9 @@ also makes: train/indexer_agreement), else select with the own indexer. The inde
 detached, as in Megatron's DSAttention: the policy loss never trains it; it trains only through
 Megatron's indexer KL loss when `model.indexer_loss_coeff` > 0.
 
-Not supported (one-line errors): packed sequences (THD) and context parallelism with DSA.
+Packed micro-batches (parallel.pack_sequences) reach it on the local spec as a block-diagonal attention mask,
+which both the attention and the indexer's selection honour (no key of another sample is attended or selected).
+Not supported (one-line errors): THD input (Transformer Engine's packed form) and context parallelism with DSA.
 """
 from __future__ import annotations
 
@@ -157,15 +159,15 @@ class MLACoreAttention(torch.nn.Module):
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, x=None, qr=None, **_):
         if packed_seq_params is not None:
-            raise ValueError("multi-latent attention on our core attention takes padded micro-batches, "
-                             "not packed (THD) sequences")
+            raise ValueError("multi-latent attention on our core attention takes no THD (packed) input; fix: set "
+                             "parallel.pack_sequences = false, or model.transformer_impl = local")
         sq, sk = query.shape[0], key.shape[0]
         keep = torch.ones(sq, sk, dtype=torch.bool, device=query.device).tril().unsqueeze(0)
         if attention_mask is not None:   # Megatron's convention: True = masked out
             keep = keep & ~attention_mask.reshape(-1, sq, sk).bool()
         scores = None
         if self.indexer_kind != "none":
-            selected, scores = self._select(x, qr)
+            selected, scores = self._select(x, qr, attention_mask)
             self.last_selected = selected
             chosen = selected_key_mask(selected, sk)
             # a query without any selection (the last token and padding carry -1 only) keeps causal
@@ -177,7 +179,7 @@ class MLACoreAttention(torch.nn.Module):
             out = self._with_indexer_loss(out, scores, selected, query, key)
         return out
 
-    def _select(self, x, qr) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def _select(self, x, qr, attention_mask=None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(selected key positions [b, sq, topk], the own indexer's scores or None)."""
         targets, recompute = self.selection.next_targets()
         if self.indexer is None:   # "shared": the engine's choice for this layer, else the full layer's
@@ -189,6 +191,8 @@ class MLACoreAttention(torch.nn.Module):
                                  "--enable-return-indexer-topk) or split stages after a full indexer layer")
             return self.source.last_selected, None
         scores = self.indexer(*_full_sequence(self.config, x.detach(), qr.detach()))
+        if attention_mask is not None:   # packed rows: never select a key of another sample
+            scores = scores.masked_fill(attention_mask.reshape(-1, *scores.shape[-2:]).bool(), float("-inf"))
         own = select_topk(scores, self.topk)
         if targets is not None and not recompute and self.selection.agreement is not None:
             self.selection.agreement.count(targets, own)

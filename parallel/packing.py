@@ -110,3 +110,91 @@ def with_global_counts(batches: list[TrainBatch], group=None) -> list[TrainBatch
         torch.distributed.all_reduce(counts, group=group or parallel_state.get_data_parallel_group())
     tokens, seqs = counts.tolist()
     return [replace(b, global_num_tokens=tokens, global_num_seqs=seqs) for b in batches]
+
+
+class PackedLayout:
+    """Where each row's real tokens sit when a micro-batch runs packed (parallel.pack_sequences): the rows'
+    first `lengths[r]` positions back to back in one row, then padding up to `width` (a multiple of
+    packing.seq_multiple), which forms a segment of its own so no real token ever attends to it.
+
+    Two forms of the same thing: under Transformer Engine, THD with cu_seqlens (Megatron's PackedSeqParams;
+    RoPE then restarts per sample inside Megatron, rope_utils' thd path); on the local spec a block-diagonal
+    causal attention mask [1, 1, W, W] (Megatron's convention: True = masked out), which the local
+    DotProductAttention uses whenever a mask is given (fusions/fused_softmax.py forward_torch_softmax builds a
+    causal mask only when none is). GPTModel ignores position_ids for RoPE (gpt_model.py:361-368 builds the
+    rotary table from the sequence length; only learned-absolute and mrope embeddings read position_ids), so on
+    the local spec sample r sees positions start_r..: RoPE scores depend only on position differences, so
+    attention equals the padded path's up to rounding.
+    """
+
+    def __init__(self, lengths: list[int], seq_multiple: int = 1):
+        self.lengths = [int(n) for n in lengths]
+        self.starts = [0]
+        for n in self.lengths[:-1]:
+            self.starts.append(self.starts[-1] + n)
+        self.real = sum(self.lengths)
+        self.width = max(round_up(self.real, seq_multiple), seq_multiple)
+
+    @classmethod
+    def of(cls, batch: TrainBatch, seq_multiple: int = 1) -> "PackedLayout":
+        return cls(batch.lengths.tolist(), seq_multiple)
+
+    def segments(self) -> list[int]:
+        """Segment lengths in order; the padding tail (if any) is the last segment."""
+        return self.lengths + ([self.width - self.real] if self.width > self.real else [])
+
+    def segment_ids(self, device=None) -> torch.Tensor:
+        """long [width]: which segment each packed position belongs to."""
+        return torch.repeat_interleave(torch.arange(len(self.segments()), device=device),
+                                       torch.tensor(self.segments(), device=device))
+
+    def attention_mask(self, device=None) -> torch.Tensor:
+        """bool [1, 1, W, W], True = masked: a query sees keys of its own segment at or before it."""
+        seg = self.segment_ids(device)
+        causal = torch.ones(self.width, self.width, dtype=torch.bool, device=device).tril()
+        return ~(causal & (seg.unsqueeze(0) == seg.unsqueeze(1))).view(1, 1, self.width, self.width)
+
+    def positions(self, device=None) -> torch.Tensor:
+        """long [1, W]: position within its own segment (restarting per sample)."""
+        starts = torch.tensor([0] + list(torch.tensor(self.segments()).cumsum(0)[:-1]), device=device)
+        seg = self.segment_ids(device)
+        return (torch.arange(self.width, device=device) - starts[seg]).unsqueeze(0)
+
+    def packed_seq_params(self, device=None):
+        """Megatron's THD PackedSeqParams (cu_seqlens over every segment, the padding tail included)."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = torch.tensor([0] + self.segments(), dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+        longest = max(self.segments())
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                               max_seqlen_q=longest, max_seqlen_kv=longest)
+
+    def pack(self, t: torch.Tensor, pad_value=0) -> torch.Tensor:
+        """[rows, seq, ...] -> [1, width, ...]: each row's real positions back to back, then `pad_value`."""
+        parts = [t[r, :n] for r, n in enumerate(self.lengths)]
+        tail = t.new_full((self.width - self.real, *t.shape[2:]), pad_value)
+        return torch.cat(parts + [tail]).unsqueeze(0)
+
+    def unpack(self, t: torch.Tensor, seq: int, first_zero: bool = False) -> torch.Tensor:
+        """[1, width, ...] -> [rows, seq, ...] right-padded with zeros. `first_zero`: position 0 of every row
+        is 0 (a result at t that comes from the hidden state at t - 1 would read the previous sample there)."""
+        out = t.new_zeros((len(self.lengths), seq, *t.shape[2:]))
+        for r, (start, n) in enumerate(zip(self.starts, self.lengths)):
+            out[r, :n] = t[0, start:start + n]
+        if first_zero:
+            out[:, 0] = 0
+        return out
+
+    def pack_batch(self, batch: TrainBatch) -> TrainBatch:
+        """The batch as the model runs it packed: one row; routes re-laid in packed order (-1 on padding), and
+        DSA indexer selections (each row's own key positions) moved by the row's start in the packed row."""
+        changes = {}
+        for f in fields(batch):
+            value = getattr(batch, f.name)
+            if f.name in _ROW_FIELDS and isinstance(value, torch.Tensor) and value.dim() >= 2:
+                if f.name == "indexer_topk":
+                    start = torch.tensor(self.starts, dtype=value.dtype).view(-1, *[1] * (value.dim() - 1))
+                    value = torch.where(value >= 0, value + start.to(value.device), value)
+                changes[f.name] = self.pack(value, -1 if f.name in _MINUS_ONE_PAD else 0)
+        changes["lengths"] = torch.tensor([self.real], device=batch.lengths.device)
+        return replace(batch, **changes)

@@ -29,7 +29,7 @@ from .hf_mapping import HFMapping
 from .logprobs import shift_to_tokens, token_logprobs_from_logits
 from .offload import ModelParking
 from .optimizer import LrSchedule, OptimSettings, build_optimizer, current_lr, guarded_step, loss_is_finite, wrap_ddp
-from .packing import seq_multiple
+from .packing import PackedLayout, seq_multiple
 from .indexer_replay import IndexerReplayer
 from .routing_replay import RouteReplayer
 from .schedule import configure_per_token_loss, run_schedule
@@ -47,6 +47,8 @@ class RLModel:
         self.seq_multiple = seq_multiple(dims.tp, dims.sequence_parallel, dims.cp, recipe.model.fp8)
         self.cp = ContextParallel.from_megatron()
         self.temperature = recipe.rollout.temperature   # pi is the engine's sampling distribution
+        # packed micro-batches: THD under Transformer Engine, a block-diagonal mask on the local spec
+        self.packed_form = "thd" if specs.use_transformer_engine(recipe.model.transformer_impl) else "mask"
         self.replayer = RouteReplayer([c.module for c in chunks], config.num_layers,
                                       self.shape.top_k, dims.sequence_parallel)
         self.indexers = IndexerReplayer([c.module for c in chunks], config.num_layers,
@@ -62,6 +64,9 @@ class RLModel:
             raise ValueError(f"RLModel role {role!r}; use one of {', '.join(ROLES)}")
         _refuse_gpu_only_options(recipe)
         hf = model_build.read_hf_config(recipe.model.path)
+        if recipe.parallel.pack_sequences and hf.get("index_topk") and specs.use_transformer_engine(recipe.model.transformer_impl):
+            raise ValueError("parallel.pack_sequences with a DSA model on Transformer Engine: our sparse attention takes "
+                             "no THD input (packing runs on the local spec only); fix: set parallel.pack_sequences = false")
         dims = _setup_groups(recipe, specs.arch_shape(hf))
         dtype = torch.bfloat16 if recipe.model.dtype == "bf16" else torch.float32
         config = specs.transformer_config(hf, dims, dtype=dtype, dispatcher=recipe.parallel.dispatcher,
@@ -136,7 +141,8 @@ class RLModel:
         try:
             with torch.no_grad():
                 store = run_schedule(self.chunks, self._fill_pipeline(batches), self.seq_multiple, on_output,
-                                     self._before_forward, forward_only=True, cp=self.cp)
+                                     self._before_forward, forward_only=True, cp=self.cp,
+                                     packed_form=self.packed_form)
             return store[:len(batches)]
         finally:
             self.replayer.clear()
@@ -146,6 +152,11 @@ class RLModel:
         """This rank's logits (padded, CP-local) -> logp/entropy [rows, seq] of the batch's tokens
         under softmax(logits / rollout.temperature), in sequence order on every CP rank."""
         seq = batch.tokens.shape[1]
+        if batch.packed:   # [1, packed width] -> the batch's rows (a row's first token reads no sample of its own)
+            layout = PackedLayout.of(batch, self.seq_multiple)
+            logp, ent = token_logprobs_from_logits(logits, layout.pack(batch.tokens), self.shape.vocab_size,
+                                                   temperature=self.temperature, cp=self.cp)
+            return layout.unpack(logp, seq, first_zero=True), layout.unpack(ent, seq, first_zero=True)
         padded = torch.nn.functional.pad(batch.tokens, (0, logits.shape[1] * self.cp.size - seq))  # as the model saw
         logp, ent = token_logprobs_from_logits(logits, padded, self.shape.vocab_size, temperature=self.temperature,
                                                cp=self.cp)
@@ -155,6 +166,8 @@ class RLModel:
         """Value head output (padded, CP-local) [rows, local, 1] -> values [rows, seq]; value at t from
         the hidden state at t-1, 0 at t = 0."""
         values = shift_to_tokens(self.cp.gather(raw.squeeze(-1).float()))
+        if batch.packed:
+            return PackedLayout.of(batch, self.seq_multiple).unpack(values, batch.tokens.shape[1], first_zero=True)
         return values[:, :batch.tokens.shape[1]]
 
     def compute_logprobs(self, batches: list[TrainBatch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -199,7 +212,7 @@ class RLModel:
         on_output = self._policy_outputs(loss_fn) if self.role == "policy" else self._critic_outputs(loss_fn)
         try:
             store = run_schedule(self.chunks, self._fill_pipeline(batches), self.seq_multiple, on_output,
-                                 self._before_forward, cp=self.cp)
+                                 self._before_forward, cp=self.cp, packed_form=self.packed_form)
         finally:
             self.replayer.clear()
             self.indexers.clear()

@@ -135,6 +135,9 @@ class TrainBatch:
     indexer_topk: Optional[torch.Tensor] = None
     global_num_tokens: float = 0.0             # action tokens of the whole step (all micro-batches, DP ranks)
     global_num_seqs: float = 0.0               # sequences with >= 1 action token in the whole step
+    # the model runs the rows back to back in one packed row (parallel.pack_sequences; parallel/packing.py
+    # PackedLayout); fields stay right-padded rows here, results come back in this layout
+    packed: bool = False
 
     @property
     def num_rows(self) -> int:

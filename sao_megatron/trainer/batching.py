@@ -60,35 +60,40 @@ def advantage_batch(samples: list[Sample], values: Optional[torch.Tensor] = None
         response_lengths=mask.sum(dim=1), baseline=baseline)
 
 
-def plan_micro_batches(samples: list[Sample], token_budget: int) -> list[list[int]]:
-    """Group sample indices into micro-batches whose padded size rows*max_len fits the budget.
+def plan_micro_batches(samples: list[Sample], token_budget: int, packed: bool = False) -> list[list[int]]:
+    """Group sample indices into micro-batches that fit the budget: padded rows cost rows*max_len, packed
+    rows (parallel.pack_sequences) their real tokens.
 
     Longest-first keeps padding low; a sample longer than the budget gets a micro-batch of its own.
     """
     order = sorted(range(len(samples)), key=lambda i: -samples[i].num_tokens)
     groups: list[list[int]] = []
     current: list[int] = []
-    current_max = 0
+    current_max = current_sum = 0
     for index in order:
         length = samples[index].num_tokens
         new_max = max(current_max, length)
-        if current and new_max * (len(current) + 1) > token_budget:
+        cost = current_sum + length if packed else new_max * (len(current) + 1)
+        if current and cost > token_budget:
             groups.append(current)
-            current, new_max = [], length
+            current, new_max, current_sum = [], length, 0
         current.append(index)
-        current_max = new_max
+        current_max, current_sum = new_max, current_sum + length
     if current:
         groups.append(current)
     return groups
 
 
-def pack_samples(samples: list[Sample], token_budget: int, with_routes: bool = True) -> PackedSamples:
+def pack_samples(samples: list[Sample], token_budget: int, with_routes: bool = True,
+                 packed: bool = False) -> PackedSamples:
     """The step's micro-batches (advantages and returns still zero) and each sample's slot in them;
     every batch carries the step's action-token and sequence counts (the loss denominators).
-    ``with_routes``: carry the engine's routes and DSA indexer choices (when every sample has them)."""
+    ``with_routes``: carry the engine's routes and DSA indexer choices (when every sample has them).
+    ``packed`` (parallel.pack_sequences): the budget counts real tokens and the model runs each
+    micro-batch's rows back to back (TrainBatch.packed; the rows stay right-padded here)."""
     batches, slots = [], [None] * len(samples)
-    for b, group in enumerate(plan_micro_batches(samples, token_budget)):
-        batches.append(_sequence_rows([samples[i] for i in group], with_routes))
+    for b, group in enumerate(plan_micro_batches(samples, token_budget, packed)):
+        batches.append(replace(_sequence_rows([samples[i] for i in group], with_routes), packed=packed))
         for row, index in enumerate(group):
             sample = samples[index]
             slots[index] = Slot(b, row, len(sample.prompt_ids), len(sample.response_ids))

@@ -227,7 +227,8 @@ class Trainer:
         packed = raw = kl = None
         if self.parts.critic is not None or self.needs_reference():
             packed = await self.agreed("packing the batch", pack_samples, samples,
-                                       self.recipe.parallel.micro_batch_tokens)
+                                       self.recipe.parallel.micro_batch_tokens, True,
+                                       self.recipe.parallel.pack_sequences)
         if self.parts.critic is not None:
             await self.make_resident("critic")
             with self.clock.phase("critic", passes=1):
@@ -261,7 +262,8 @@ class Trainer:
     def advantages(self, samples: list[Sample], packed, raw_values, kl: steps.ReferenceLogprobs | None = None):
         """Advantages and returns into the packed batches (packing them first when no model pass did);
         the KL to the reference goes into the rewards or, as reference logprobs, into the batches."""
-        packed = packed or pack_samples(samples, self.recipe.parallel.micro_batch_tokens)
+        packed = packed or pack_samples(samples, self.recipe.parallel.micro_batch_tokens,
+                                        packed=self.recipe.parallel.pack_sequences)
         values = None if raw_values is None else gather_responses(packed, raw_values)
         inputs = advantage_batch(samples, values, self.state.baseline)
         kl_metrics = {}

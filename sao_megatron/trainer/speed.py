@@ -53,9 +53,11 @@ class StepClock:
 
 
 def pad_fraction(batches: list[TrainBatch]) -> float:
-    """Padding slots / computed slots: a micro-batch computes rows x width positions, of which only
-    `lengths` hold tokens (batching.py right-pads each row to the longest)."""
-    computed = sum(int(b.tokens.numel()) for b in batches)
+    """Padding slots / computed slots: a padded micro-batch computes rows x width positions, of which only
+    `lengths` hold tokens (batching.py right-pads each row to the longest); a packed one (TrainBatch.packed)
+    computes its real tokens back to back (the last few slots rounding the row up to the sequence multiple
+    are not counted, as they are not for padded rows either)."""
+    computed = sum(int(b.lengths.sum()) if getattr(b, "packed", False) else int(b.tokens.numel()) for b in batches)
     real = sum(int(b.lengths.sum()) for b in batches)
     return (computed - real) / computed if computed else 0.0
 

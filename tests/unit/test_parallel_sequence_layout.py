@@ -86,7 +86,8 @@ def test_per_token_function_on_split_positions_equals_whole_sequence():
 
 
 def _recipe(*overrides: str):
-    return load_recipe(None, ["model.path=unused", "parallel.cp=2", "parallel.world_size=2", *overrides],
+    return load_recipe(None, ["model.path=unused", "parallel.cp=2", "parallel.world_size=2",
+                                "parallel.pack_sequences=false", *overrides],
                        check_files=False)
 
 

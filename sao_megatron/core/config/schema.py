@@ -100,6 +100,9 @@ class ParallelConfig:
     micro_batch_tokens: int = doc(4096, "Token budget of one packed micro-batch per context-parallel rank; at "
                                          "least one whole sequence, (max_prompt_len + max_new_tokens) / cp.",
                                    bounds=">= 16")
+    pack_sequences: bool = doc(True, "Micro-batches hold samples back to back without padding (THD under "
+                                     "Transformer Engine, block-diagonal masks on CPU); micro_batch_tokens then "
+                                     "counts real tokens. Not with cp > 1.")
     dispatcher: Literal["alltoall", "allgather", "flex"] = doc(
         "alltoall", "MoE token dispatcher; flex = DeepEP (GPU, deep_ep installed, tp*ep > 1).")
     distributed_optimizer: bool = doc(False, "Megatron distributed optimizer (GPU).")
@@ -111,6 +114,9 @@ class ParallelConfig:
     def check(self, p: str) -> None:
         _require(not self.optimizer_offload or self.distributed_optimizer, f"{p}.optimizer_offload",
                  "needs the distributed optimizer", "set parallel.distributed_optimizer = true")
+        _require(not (self.pack_sequences and self.cp > 1), f"{p}.pack_sequences",
+                 f"packed rows are not split per sample over cp = {self.cp} ranks yet",
+                 "set parallel.pack_sequences = false with context parallelism")
         check_bounds(self, p)
 
     def resolved_world_size(self) -> int:
