@@ -1,13 +1,24 @@
-"""SAO vs GRPO vs GRPO+DIS vs GSPO vs PPO from the SFT start, equal sample budget, 5 seeds.
+"""SAO vs its baselines and ablations from an SFT start, at an equal sample budget.
 
-Every run starts RL from the same SFT model (bench/sft_start.py: the demo's SFT on chain:1:1) and runs
-the demo recipe (recipes/tiny_sft_sao_cpu.toml) with only the algorithm changed. Every algorithm
-generates the same number of samples: 64 per step (SAO and PPO: 64 prompts x 1; the group methods:
-16 prompts x 4), and SAO's and PPO's critic warm-up steps generate samples too, so the group methods
-get as many extra steps. Per run: the accuracy of its first batch (sampled by the SFT model itself),
-final accuracy and reward (mean of the last 10 steps) and AUC (mean accuracy over all steps). Per
-method: the mean over seeds with a 95% percentile-bootstrap interval; per pair of methods the
-difference of means with its interval (bench/stats.py), which is what the report's verdicts read.
+Default (the runs in results/algorithms.json): chain:1:1, SAO / GRPO / GRPO+DIS / GSPO / PPO, 5 seeds,
+the demo recipe (recipes/tiny_sft_sao_cpu.toml) with only the algorithm changed.
+
+--full (issue 30; hours on 2 CPU cores, not run yet): every arm of ARMS_FULL, which isolates SAO's parts
+  - the critic: SAO vs `running_mean` (single rollout, advantage = reward - running mean, no critic);
+  - single rollout vs groups: SAO vs GRPO+DIS (same DIS loss);
+  - DIS vs PPO-clip: SAO vs `sao_ppo_clip` (SAO with the PPO clip 0.2 / 0.2 in place of DIS, same critic);
+  on two tasks where those parts have work (TASKS_FULL): `scratch:4` (four chained operations written
+  out in a 20-40 character scratchpad, reward only on the final answer, held-out eval prompts disjoint
+  from the training prompts) and `agent` (the multi-turn python-tool agent of recipes/tiny_agent_cpu.toml);
+  with the engine in bf16 against the fp32 trainer (rollout.engine_dtype), a real train/inference
+  mismatch for DIS to correct. Per arm, a learning-rate sweep (LR_GRID) on SWEEP_SEEDS picks the lr with
+  the best held-out accuracy; then FULL_SEEDS fresh seeds run at that lr.
+
+Equal samples: every arm generates the recipe's rollout.batch_size samples per step (single-rollout arms:
+batch_size prompts x 1; group arms: batch_size / 4 prompts x 4), and the critic's warm-up batches are
+given to the arms without a critic as extra steps. Per run: start (first batch, the SFT model), final
+accuracy (mean of the last EDGE steps), AUC, held-out accuracy where the task has an eval split, wall time.
+Tests over seeds: bench/stats.py (the report recomputes them from the per-seed numbers).
 """
 from __future__ import annotations
 
@@ -17,11 +28,14 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from bench import REPO
 from bench.sft_start import TASK, from_sft, sft_info, sft_start
-from bench.stats import diff_ci, mean_ci
+from bench.stats import compare, mean_ci
 from bench.training_runs import SFT_DEMO, plot_curves, run_all, series
 
+AGENT_RECIPE = REPO / "recipes" / "tiny_agent_cpu.toml"
 TASKS = [TASK, "chain:2:1"]
+TASKS_FULL = ["scratch:4", "agent"]
 GROUP = ["rollout.n_samples_per_prompt=4"]
 ALGORITHMS = {
     "sao": ["algorithm.name='sao'"],
@@ -30,86 +44,152 @@ ALGORITHMS = {
     "gspo": ["algorithm.name='gspo'", *GROUP],
     "ppo": ["algorithm.name='ppo'"],
 }
-# (higher, lower): the differences the report tests. The first four are the SAO paper's claims
-# (SFT 80.4 -> GRPO 84.2 -> GRPO+DIS 93.5 -> SAO 97.3 on AIME25); the last two are this stack's baselines.
-COMPARISONS = [("sao", "grpo"), ("sao", "grpo_dis"), ("grpo_dis", "grpo"), ("sao", "gspo"), ("sao", "ppo")]
-EDGE = 10   # steps averaged for "final"
-WARMUP = 10  # the demo recipe's critic.warmup_steps
+ARMS_FULL = {
+    **ALGORITHMS,
+    "running_mean": ["algorithm.name='running_mean'"],
+    "sao_ppo_clip": ["algorithm.name='sao'", "algorithm.loss='ppo'", "algorithm.eps_low=0.2", "algorithm.eps_high=0.2"],
+}
+CRITIC_ARMS = ("sao", "ppo", "sao_ppo_clip")
+# (first, second): the differences the report tests. The first four are the SAO paper's claims; sao-ppo,
+# sao-sao_ppo_clip (DIS vs PPO-clip, same critic) and sao-running_mean (critic vs none) isolate its parts.
+COMPARISONS = [("sao", "grpo"), ("sao", "grpo_dis"), ("grpo_dis", "grpo"), ("sao", "gspo"), ("sao", "ppo"),
+               ("sao", "sao_ppo_clip"), ("sao", "running_mean")]
+EDGE = 10     # steps averaged for "final"
+WARMUP = 10   # the demo recipe's critic.warmup_steps
+FULL_STEPS, FULL_SEEDS, SWEEP_SEEDS = 300, list(range(1, 11)), [101, 102]
+LR_GRID = [1e-4, 3e-4, 1e-3]
+MISMATCH = ["rollout.engine_dtype='bf16'"]     # the engine in bf16, the trainer in fp32
+EVAL_K, EVAL_PROBLEMS = 4, 64
+
+
+def task_setup(task: str, quick: bool = False) -> dict:
+    """How a task runs: recipe, overrides for SFT and RL, its held-out eval set ('' = none)."""
+    if task == "agent":
+        return {"recipe": AGENT_RECIPE, "sft": [], "rl": [], "eval": "", "start": "sft_start_agent"}
+    if task.startswith("scratch"):
+        rl = [f"rollout.task='{task}'", "rollout.max_new_tokens=48"]
+        eval_every, problems = (1, 8) if quick else (25, EVAL_PROBLEMS)
+        return {"recipe": SFT_DEMO, "sft": [f"rollout.task='{task}'"], "eval": f"task:{task}:eval",
+                "rl": rl + [f"eval.datasets=['task:{task}:eval']", f"eval.interval={eval_every}",
+                            f"eval.k={EVAL_K}", f"eval.max_problems={problems}"],
+                "start": f"sft_start_{_slug(task)}"}
+    return {"recipe": SFT_DEMO, "sft": [], "rl": [f"rollout.task='{task}'"], "eval": "", "start": "sft_start"}
 
 
 def budget_overrides(name: str, steps: int, warmup: int) -> list[str]:
-    """Critic methods spend `warmup` sample batches on the critic; group methods get them as steps."""
-    if name in ("sao", "ppo"):
+    """Critic methods spend `warmup` sample batches on the critic; the others get them as steps."""
+    if name in CRITIC_ARMS:
         return [f"run.num_steps={steps}", f"critic.warmup_steps={warmup}"]
     return [f"run.num_steps={steps + warmup}"]
 
 
+def heldout_accuracy(rows: list[dict]) -> float:
+    """The last held-out evaluation's avg@k (eval/<set>/avg@K), NaN when the run evaluated nothing."""
+    values = [v for r in rows for k, v in r.items() if k.startswith("eval/") and k.endswith(f"/avg@{EVAL_K}")]
+    return values[-1] if values else float("nan")
+
+
 def run_metrics(rows: list[dict]) -> dict:
-    """One run's numbers: start (first batch), final (last EDGE steps) and AUC of accuracy, final reward."""
+    """One run's numbers: start (first batch), final (last EDGE steps), AUC, final reward, held-out accuracy."""
     acc, reward = series(rows, "rollout/accuracy"), series(rows, "rollout/raw_reward")
     if not acc:
         return {"start_acc": float("nan"), "final_acc": float("nan"), "auc_acc": float("nan"),
-                "final_reward": float("nan"), "gain": float("nan")}
+                "final_reward": float("nan"), "gain": float("nan"), "heldout_acc": float("nan")}
     final = statistics.fmean(acc[-EDGE:])
     return {"start_acc": acc[0], "final_acc": final, "auc_acc": statistics.fmean(acc),
-            "final_reward": statistics.fmean(reward[-EDGE:]) if reward else float("nan"), "gain": final - acc[0]}
+            "final_reward": statistics.fmean(reward[-EDGE:]) if reward else float("nan"), "gain": final - acc[0],
+            "heldout_acc": heldout_accuracy(rows)}
+
+
+def choose_lr(per_lr: dict[float, list[float]]) -> float:
+    """The lr with the best mean held-out score over the sweep seeds (ties: the smaller lr)."""
+    return min(per_lr, key=lambda lr: (-statistics.fmean(per_lr[lr]), lr))
 
 
 def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False,
         tasks: Optional[list[str]] = None, jobs: int = 1) -> dict:
-    """quick: CI smoke (SAO and GRPO, 1 seed, 2 steps, a 2-step SFT); default: chain:1:1, 5 algorithms
-    x 5 seeds x 100 policy steps (about 20 min on 2 CPU cores with jobs=2); full: both tasks, 300 steps.
+    """quick: scratch:4 with its held-out eval, SAO and running_mean, 1 seed of 2 steps from a 2-step SFT;
+    default: chain:1:1, 5 arms x 5 seeds x 100 policy steps (about 20 min on 2 CPU cores with jobs=2);
+    full: TASKS_FULL, every arm, lr sweep, 10 seeds x 300 steps, bf16 engine (hours; not run yet).
 
     `tasks` runs only those tasks (same sizes) and keeps the other tasks' rows of an existing
     out_dir/algorithms.json measured with the same steps and seeds."""
     explicit = tasks is not None
     keep = {} if not explicit or quick else _previous(out_dir / "algorithms.json", full)
-    tasks = tasks or (list(TASKS) if full else [TASK])
-    unknown = [t for t in tasks if t not in TASKS]
+    tasks = tasks or (["scratch:4"] if quick else list(TASKS_FULL) if full else [TASK])
+    unknown = [t for t in tasks if t not in TASKS + TASKS_FULL]
     if unknown:
-        raise ValueError(f"bench algorithms: unknown task(s) {unknown}; use {TASKS}")
-    algos = ["sao", "grpo"] if quick else list(ALGORITHMS)
-    seeds = [1] if quick else [1, 2, 3, 4, 5]
-    steps, warmup = (2, 1) if quick else ((300, WARMUP) if full else (100, WARMUP))
-    model = sft_start(out_dir, quick)
-    work = out_dir / "runs_algorithms"
+        raise ValueError(f"bench algorithms: unknown task(s) {unknown}; use {TASKS + TASKS_FULL}")
+    arms = ["sao", "running_mean"] if quick else list(ARMS_FULL) if full else list(ALGORITHMS)
+    seeds = [1] if quick else FULL_SEEDS if full else [1, 2, 3, 4, 5]
+    steps, warmup = (2, 1) if quick else ((FULL_STEPS, WARMUP) if full else (100, WARMUP))
+    grid = LR_GRID if full else []      # the sweep's selection is unit-tested; quick runs stay two runs
+    common = MISMATCH if full else []
     table = {k: v for k, v in keep.get("table", {}).items() if k.split("/")[0] not in tasks}
     curves = {k: v for k, v in keep.get("curves", {}).items() if k not in tasks}
     comparisons = {k: v for k, v in keep.get("comparisons", {}).items() if k not in tasks}
     task_runs = {k: v for k, v in keep.get("task_runs", {}).items() if k not in tasks}
+    sweeps = {k: v for k, v in keep.get("lr_sweep", {}).items() if k.split("/")[0] not in tasks}
     failed: list[dict] = []
     for task in tasks:
-        started = time.perf_counter()
-        specs = [(f"{_slug(task)}-{algo}-s{seed}", ALGORITHMS[algo] + budget_overrides(algo, steps, warmup)
-                  + from_sft(model) + [f"rollout.task='{task}'", f"run.seed={seed}"])
-                 for algo in algos for seed in seeds]
-        rows = run_all(specs, work, jobs=jobs, recipe=SFT_DEMO, failures=failed)
-        per_algo = {}
-        for algo in algos:
-            names = [n for n in (f"{_slug(task)}-{algo}-s{seed}" for seed in seeds) if n in rows]
+        started, setup = time.perf_counter(), task_setup(task, quick)
+        model = sft_start(out_dir, quick, recipe=setup["recipe"], overrides=tuple(setup["sft"]), name=setup["start"])
+        base = from_sft(model) + setup["rl"] + common
+        work, walls = out_dir / "runs_algorithms", {}
+
+        def specs_for(arm: str, run_seeds: list[int], lr: Optional[float], tag: str = "") -> list:
+            lr_over = [f"algorithm.lr={lr:g}"] if lr is not None else []
+            return [(f"{_slug(task)}-{arm}{tag}-s{seed}", ARMS_FULL[arm] + budget_overrides(arm, steps, warmup)
+                     + base + lr_over + [f"run.seed={seed}"]) for seed in run_seeds]
+
+        chosen = {arm: None for arm in arms}
+        if grid:
+            sweep_seeds = SWEEP_SEEDS
+            specs = [s for arm in arms for lr in grid for s in specs_for(arm, sweep_seeds, lr, f"-lr{lr:g}")]
+            rows = run_all(specs, work, jobs=jobs, recipe=setup["recipe"], failures=failed)
+            for arm in arms:
+                score = "heldout_acc" if setup["eval"] else "final_acc"
+                per_lr = {lr: [run_metrics(rows[n])[score] for n, _ in specs_for(arm, sweep_seeds, lr, f"-lr{lr:g}")
+                               if n in rows] for lr in grid}
+                per_lr = {lr: v for lr, v in per_lr.items() if v and all(x == x for x in v)}
+                if not per_lr:
+                    raise RuntimeError(f"bench algorithms: no {arm} sweep run on {task} gave a score: {failed}")
+                chosen[arm] = choose_lr(per_lr)
+                sweeps[f"{task}/{arm}"] = {"heldout": {str(lr): statistics.fmean(v) for lr, v in per_lr.items()},
+                                           "chosen": chosen[arm], "score": score, "seeds": sweep_seeds}
+        specs = [s for arm in arms for s in specs_for(arm, seeds, chosen[arm])]
+        rows = run_all(specs, work, jobs=jobs, recipe=setup["recipe"], failures=failed, walls=walls)
+        per_arm = {}
+        for arm in arms:
+            names = [n for n, _ in specs_for(arm, seeds, chosen[arm]) if n in rows]
             if not names:
-                raise RuntimeError(f"bench algorithms: every {algo} run on {task} failed twice: {failed}")
+                raise RuntimeError(f"bench algorithms: every {arm} run on {task} failed twice: {failed}")
             runs = [run_metrics(rows[n]) for n in names]
-            per_algo[algo] = {key: [r[key] for r in runs] for key in runs[0]}
-            table[f"{task}/{algo}"] = {
-                "final_acc": mean_ci(per_algo[algo]["final_acc"]), "auc_acc": mean_ci(per_algo[algo]["auc_acc"]),
-                "final_reward": mean_ci(per_algo[algo]["final_reward"]), "gain": mean_ci(per_algo[algo]["gain"]),
-                "per_seed": per_algo[algo], "seeds": [int(n.rsplit("-s", 1)[1]) for n in names],
+            per_arm[arm] = {key: [r[key] for r in runs] for key in runs[0]}
+            per_arm[arm]["wall_s"] = [walls.get(n, float("nan")) for n in names]
+            table[f"{task}/{arm}"] = {
+                "final_acc": mean_ci(per_arm[arm]["final_acc"]), "auc_acc": mean_ci(per_arm[arm]["auc_acc"]),
+                "final_reward": mean_ci(per_arm[arm]["final_reward"]), "gain": mean_ci(per_arm[arm]["gain"]),
+                "heldout_acc": mean_ci(per_arm[arm]["heldout_acc"]), "per_seed": per_arm[arm],
+                "seeds": [int(n.rsplit("-s", 1)[1]) for n in names], "lr": chosen[arm],
                 "samples_per_run": sorted({len(rows[n]) * _batch_size(work / n) for n in names})}
-            curves.setdefault(task, {})[algo] = [series(rows[n], "rollout/accuracy") for n in names]
-        starts = [x for v in per_algo.values() for x in v["start_acc"]]
+            curves.setdefault(task, {})[arm] = [series(rows[n], "rollout/accuracy") for n in names]
+        starts = [x for v in per_arm.values() for x in v["start_acc"]]
         table[f"{task}/sft_start"] = {"final_acc": mean_ci(starts), "runs": len(starts)}
-        comparisons[task] = {f"{a}-{b}": diff_ci(per_algo[a]["final_acc"], per_algo[b]["final_acc"])
-                             for a, b in COMPARISONS if a in per_algo and b in per_algo}
+        comparisons[task] = {f"{a}-{b}": compare(per_arm[a]["final_acc"], per_arm[b]["final_acc"])
+                             for a, b in COMPARISONS if a in per_arm and b in per_arm}
         task_runs[task] = {"command": "sao bench algorithms" + (" --quick" if quick else "") + (" --full" if full else "")
-                           + (f" --tasks {','.join(tasks)}" if explicit else ""),
+                           + (f" --tasks {','.join(tasks)}" if explicit else ""), "eval": setup["eval"],
+                           "recipe": str(setup["recipe"].relative_to(REPO)), "start": sft_info(model, setup["recipe"], task),
                            "wall_s": time.perf_counter() - started, "date": time.strftime("%Y-%m-%d"), "jobs": jobs}
     for task, per in curves.items():
         plot_curves(per, f"{task} from the SFT start: accuracy per step (mean +- std, {len(seeds)} seeds)",
                     out_dir / f"algorithms_{_slug(task)}.png", ylabel="accuracy")
+    first = task_runs[tasks[0]]["start"]
     return {"table": table, "curves": curves, "comparisons": comparisons, "summary": _summary(table),
             "steps": steps, "warmup": warmup, "seeds": seeds, "edge": EDGE, "task_runs": task_runs,
-            "start": sft_info(model), "samples_per_step": 64, "failed_runs": failed}
+            "start": first, "samples_per_step": _batch_size(work / specs[0][0]), "failed_runs": failed,
+            "lr_sweep": sweeps, "engine_dtype": "bf16" if common else "fp32"}
 
 
 def _slug(task: str) -> str:
@@ -117,11 +197,11 @@ def _slug(task: str) -> str:
 
 
 def _summary(table: dict) -> str:
-    lines = [f"{'task/algorithm':22s} {'final accuracy [95% CI]':>28s} {'AUC accuracy [95% CI]':>28s}"]
+    lines = [f"{'task/algorithm':26s} {'final accuracy [95% CI]':>28s} {'AUC accuracy [95% CI]':>28s}"]
     for key, row in table.items():
         f = row["final_acc"]
         auc = row.get("auc_acc")
-        lines.append(f"{key:22s} {f['mean']:8.3f} [{f['lo']:.3f}, {f['hi']:.3f}]      "
+        lines.append(f"{key:26s} {f['mean']:8.3f} [{f['lo']:.3f}, {f['hi']:.3f}]      "
                      + (f"{auc['mean']:8.3f} [{auc['lo']:.3f}, {auc['hi']:.3f}]" if auc else "(first batch)"))
     return "\n".join(lines)
 
@@ -138,7 +218,7 @@ def _previous(path: Path, full: bool) -> dict:
     if not path.is_file():
         return {}
     old = json.loads(path.read_text())
-    steps = 300 if full else 100
+    steps = FULL_STEPS if full else 100
     if old.get("quick") or old.get("steps") != steps or bool(old.get("full")) != full or "comparisons" not in old:
         return {}
     return old

@@ -5,8 +5,14 @@ prompt lengths and mixed output budgets (ignore_eos, so both sides produce exact
 temperature 1. The server gets all 32 at once over HTTP (client in this process, server in a child
 process, --max-batch 32); `generate` gets the same 32 prompts as one left-padded batch and must run
 to the longest budget. Useful tokens = sum of the 32 budgets on both sides. After a warm-up the two
-sides are timed alternately, 2 (quick) or 3 times each, and the medians are compared. ratio = server tokens/s / generate tokens/s (> 1: the server is faster). Both run
-alternately on the same machine with one torch thread each.
+sides are timed alternately, 2 (quick) or 7 times each, and the medians are compared. ratio = server tokens/s / generate tokens/s (> 1: the server is faster). Both run
+alternately on the same machine with one torch thread each. The spread is the interquartile range of
+the per-repeat ratios (each server run over the generate run beside it).
+
+Padding bound: `generate` decodes every row to the longest budget, N x max(budget) token slots for
+sum(budgets) useful tokens; a server doing the same work per token without padding can gain at most
+N x max(budget) / sum(budgets) over it. A measured ratio above that bound comes from something else
+(scheduling, per-step overhead, a loaded machine slowing one side), not from continuous batching.
 """
 from __future__ import annotations
 
@@ -98,7 +104,7 @@ def run(quick: bool = False, model_dir: str | None = None) -> dict:
     from checkpoints.init_model import init_model
     from rollout.reference_server import launch_local
 
-    preset, repeats = ("tiny", 2) if quick else ("small", 3)
+    preset, repeats = ("tiny", 2) if quick else ("small", 7)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = model_dir or str(init_model(Path(tmp) / preset, preset=preset, seed=0))
         import transformers
@@ -130,7 +136,29 @@ def run(quick: bool = False, model_dir: str | None = None) -> dict:
     return {"summary": summary, "model_preset": preset, "requests": NUM_REQUESTS, "useful_output_tokens": useful,
             "prompt_lengths": [len(p) for p, _ in jobs], "output_budgets": [b for _, b in jobs],
             "reference_server_s": server_times, "hf_generate_s": hf_times, "reference_server_tokens_per_s": server_tps,
-            "hf_generate_tokens_per_s": hf_tps, "ratio": ratio, "torch_threads": threads}
+            "hf_generate_tokens_per_s": hf_tps, "ratio": ratio, "torch_threads": threads,
+            "ratio_per_repeat": per_repeat_ratios(server_times, hf_times),
+            "padding_bound": padding_bound([b for _, b in jobs])}
+
+
+def per_repeat_ratios(server_s: list[float], hf_s: list[float]) -> list[float]:
+    """Each repeat's ratio: the generate run's seconds over the server run's beside it (same useful tokens)."""
+    return [h / s for s, h in zip(server_s, hf_s)]
+
+
+def padding_bound(budgets: list[int]) -> float:
+    """The most a padding-free server could gain over padded batch generation: N x max / sum of budgets."""
+    return len(budgets) * max(budgets) / sum(budgets)
+
+
+def quartiles(values: list[float]) -> tuple[float, float]:
+    """(25th, 75th) percentile, linear interpolation between order statistics (numpy's default)."""
+    xs = sorted(values)
+    def at(q: float) -> float:
+        pos = q * (len(xs) - 1)
+        lo = int(pos)
+        return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (pos - lo)
+    return at(0.25), at(0.75)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ in-place weight update. No model runs, so this measures the scheduling effect on
   for the slowest one, then trains while the engines sit idle;
 - async single (SAO): one rollout per prompt, requests always in flight, the trainer takes the oldest
   finished samples and the engines keep generating during the step; the staleness bound drops samples
-  that got too old (their generation time is counted, their samples are not).
+  that got too old (their generation time is counted, their samples are not);
+- async group: the same asynchronous pipeline with 8 rollouts per prompt (a group is ready when its last
+  rollout is), so async single / async group isolates single rollouts and async group / sync group
+  isolates asynchrony.
 
 Reported: samples/s = used samples / wall time; trainer idle = time the trainer waited for data / wall.
 """
@@ -45,9 +48,12 @@ async def _train_step(driver, engines, p: dict, version: int) -> None:
             await e.update_weights_from_disk("simulated", version + 1)
 
 
-async def _run_async_single(p: dict, tokenizer) -> dict:
-    cfg = RolloutConfig(task="arithmetic", mode="single", batch_size=p["batch"], max_in_flight=p["engines"] * p["slots"],
-                        max_new_tokens=p["max_new_tokens"], staleness_bound=p["staleness_bound"], temperature=1.0)
+async def _run_async(p: dict, tokenizer, group_n: int = 1) -> dict:
+    """The asynchronous pipeline: one rollout per prompt (group_n = 1) or groups of group_n."""
+    mode = {"mode": "single"} if group_n == 1 else {"mode": "group", "n_samples_per_prompt": group_n}
+    cfg = RolloutConfig(task="arithmetic", batch_size=p["batch"], max_in_flight=p["engines"] * p["slots"],
+                        max_new_tokens=p["max_new_tokens"], staleness_bound=p["staleness_bound"], temperature=1.0,
+                        **mode)
     engines = _engines(p, seed=0)
     driver = RolloutDriver(engines, build_prompt_source(cfg, tokenizer, seed=0), lambda s: 0.0, cfg, tokenizer,
                            seed=0, buffer_capacity=4 * p["batch"] + cfg.max_in_flight)
@@ -104,7 +110,8 @@ def run(quick: bool = False) -> dict:
     p = _settings(quick)
     tokenizer = build_tokenizer()
     sync = asyncio.run(_run_sync_group(p, tokenizer))
-    async_ = asyncio.run(_run_async_single(p, tokenizer))
+    async_ = asyncio.run(_run_async(p, tokenizer))
+    async_group = asyncio.run(_run_async(p, tokenizer, group_n=p["group_n"]))
     speedup = async_["samples_per_s"] / sync["samples_per_s"]
     summary = (
         f"SIMULATED engines (latency = tokens x {p['token_time_s'] * 1e3:.0f} ms, {p['slots']} slots x "
@@ -115,11 +122,16 @@ def run(quick: bool = False) -> dict:
         f"  async single: {async_['samples_per_s']:.1f} samples/s, trainer idle {async_['trainer_idle']:.0%} "
         f"({async_['trainer_idle_after_first_batch']:.0%} after the first batch, which fills the pipeline), "
         f"{async_['dropped_stale']} samples dropped stale (tau={p['staleness_bound']})\n"
+        f"  async group (n={p['group_n']}): {async_group['samples_per_s']:.1f} samples/s, trainer idle "
+        f"{async_group['trainer_idle_after_first_batch']:.0%} after the first batch, "
+        f"{async_group['dropped_stale']} samples dropped stale\n"
+        f"  asynchrony alone (async group / sync group) {async_group['samples_per_s'] / sync['samples_per_s']:.2f}x; "
+        f"single rollout alone (async single / async group) {async_['samples_per_s'] / async_group['samples_per_s']:.2f}x\n"
         f"  engine tokens/s achieved: sync {sync['engine_tokens_per_s']:.0f}, async {async_['engine_tokens_per_s']:.0f} "
         f"(nominal peak {p['engines'] * p['slots'] / p['token_time_s']:.0f}; lower when this machine's CPUs are busy)\n"
         f"  ratio async/sync samples/s = {speedup:.2f}x (target >= 2.5x); steady-state trainer idle async "
         f"{async_['trainer_idle_after_first_batch']:.0%} (target < 15%)")
-    return {"summary": summary, "settings": p, "sync_group": sync, "async_single": async_,
+    return {"summary": summary, "settings": p, "sync_group": sync, "async_single": async_, "async_group": async_group,
             "speedup_samples_per_s": speedup, "simulated_engine": True}
 
 

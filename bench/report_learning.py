@@ -1,8 +1,9 @@
 """Report sections of the learning benchmarks (demo, algorithms, online, stability): what the runs learned.
 
 Each section is `(result, link) -> markdown`, reading only the benchmark's JSON; verdicts say what the
-numbers show and what they do not. Intervals are 95% percentile-bootstrap intervals over seeds
-(bench/stats.py); the paper's claims, one verdict each, are in bench/report_claims.py.
+numbers show and what they do not. Intervals and tests are recomputed here from the per-seed numbers
+(the seed is the unit: bench/stats.py, bench/report_tests.py); the paper's claims, one verdict each, are
+in bench/report_claims.py.
 """
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import statistics
 from typing import Optional
 
 from bench.report_format import md_table, pm
-from bench.stats import ci_text, verdict
+from bench.report_tests import INTERVAL_NOTE, differences, seed_ci
+from bench.stats import ci_text
 
-BOOTSTRAP_NOTE = ("[lo, hi] = 95% percentile-bootstrap interval over seeds; with 5 seeds it is narrower than "
-                  "the true interval (it cannot show variation the seeds did not).")
+NOT_RUN = "not yet run at full size"
 
 
 def demo_section(r: dict, link) -> str:
@@ -63,7 +64,7 @@ def algorithms_section(r: dict, link) -> str:
            f"to the group methods as extra steps), {r.get('samples_per_step', '?')} samples per step for every method "
            f"(group methods: 16 prompts x 4), {seeds} seeds. Final = mean accuracy of the last {r.get('edge', 10)} "
            f"steps; gain = final minus the run's first batch (sampled by the SFT model); AUC = mean accuracy over "
-           f"all steps. " + BOOTSTRAP_NOTE]
+           f"all steps. " + INTERVAL_NOTE]
     for task in tasks:
         rows = []
         for key, v in table.items():
@@ -71,19 +72,24 @@ def algorithms_section(r: dict, link) -> str:
                 continue
             algo = key.split("/")[1]
             if algo == "sft_start":
-                rows.append(["SFT start (first batch of every run)", ci_text(v["final_acc"]), "", "", "", ""])
+                starts = [x for k, w in table.items() if k.startswith(task + "/") and "per_seed" in w
+                          for x in w["per_seed"]["start_acc"]]
+                rows.append(["SFT start (first batch of every run)",
+                             ci_text(seed_ci({"per_seed": {"s": starts}}, "s") if starts else v["final_acc"]),
+                             "", "", "", "", "", "", ""])
                 continue
-            rows.append([algo, ci_text(v["final_acc"]), ci_text({k: 100 * x if k != "n" else x
-                                                                 for k, x in v["gain"].items()}, 1),
-                         ci_text(v["auc_acc"]), ci_text(v["final_reward"]),
-                         " / ".join(str(n) for n in v.get("samples_per_run", []))])
+            wall = v.get("per_seed", {}).get("wall_s")
+            rows.append([algo, ci_text(seed_ci(v, "final_acc")), ci_text(seed_ci(v, "heldout_acc")),
+                         ci_text(seed_ci(v, "gain", 100), 1),
+                         ci_text(seed_ci(v, "auc_acc")), ci_text(seed_ci(v, "final_reward")),
+                         " / ".join(str(n) for n in v.get("samples_per_run", [])),
+                         f"{v['lr']:g}" if v.get("lr") else "recipe's",
+                         f"{statistics.fmean(wall):.0f}" if wall else "not recorded"])
         out.append(f"**`{task}`**")
-        out.append(md_table(["algorithm", "final accuracy", "gain (points)", "AUC accuracy", "final reward",
-                             "samples per run"], rows))
-        diffs = r.get("comparisons", {}).get(task, {})
-        if diffs:
-            out.append(md_table(["difference in final accuracy", "mean [95% CI]", "the interval"],
-                                [[key.replace("-", " - "), ci_text(d), _says(d)] for key, d in diffs.items()]))
+        held = (r.get("task_runs", {}).get(task, {}).get("eval") or "none: this task has no held-out split")
+        out.append(md_table(["algorithm", "final accuracy", f"held-out accuracy ({held})", "gain (points)",
+                             "AUC accuracy", "final reward", "samples per run", "policy lr", "wall s per run"], rows))
+        out.append(differences(_pairs(r, task)))
         out.append(link(f"algorithms_{task.replace(':', '_')}.png", f"algorithms {task}"))
         out.append(_ranking(table, task))
     runs = r.get("task_runs", {})
@@ -92,9 +98,34 @@ def algorithms_section(r: dict, link) -> str:
             f"`{task}`: `{v.get('command', '?')}`" + (f" ({v['wall_s']:.0f} s)" if isinstance(v.get("wall_s"), (int, float)) else "")
             for task, v in sorted(runs.items())) + ".")
     out.append(failures_text(r))
+    out.append(_lr_sweep_text(r))
     if not r.get("full"):
-        out.append("The `--full` version (300 steps, a second task `chain:2:1`; bench/algorithms.py) was not run.")
+        out.append(f"The `--full` version (>= 10 fresh seeds per arm on the long-horizon `scratch` task and the "
+                   f"multi-turn `agent` task, every arm and both ablations, a learning-rate sweep per arm chosen on "
+                   f"held-out prompts, a bf16 engine against the fp32 trainer; bench/algorithms.py): {NOT_RUN}.")
     return "\n\n".join(x for x in out if x)
+
+
+def _pairs(r: dict, task: str) -> dict:
+    """The differences the benchmark tests (bench/algorithms.py COMPARISONS), from per-seed final accuracy."""
+    from bench.algorithms import COMPARISONS
+
+    table = r["table"]
+    seeds = {a: table[f"{task}/{a}"]["per_seed"]["final_acc"] for a in {x for pair in COMPARISONS for x in pair}
+             if "per_seed" in table.get(f"{task}/{a}", {})}
+    return {f"{a} - {b}": (seeds[a], seeds[b]) for a, b in COMPARISONS if a in seeds and b in seeds}
+
+
+def _lr_sweep_text(r: dict) -> str:
+    """The learning rate each arm was run with and how it was chosen (held-out accuracy of the sweep)."""
+    sweep = r.get("lr_sweep")
+    if not sweep:
+        return ""
+    parts = [f"{arm}: " + ", ".join(f"{lr:g} -> {acc:.3f}" for lr, acc in sorted(v["heldout"].items(),
+                                                                           key=lambda x: float(x[0])))
+             + f" (chosen {v['chosen']:g})" for arm, v in sweep.items()]
+    return ("Learning rate per arm, chosen by held-out accuracy (eval prompts disjoint from the training "
+            "prompts) over a sweep on seeds not used above: " + "; ".join(parts) + ".")
 
 
 def failures_text(r: dict) -> str:
@@ -111,18 +142,14 @@ def failures_text(r: dict) -> str:
     return text + "."
 
 
-def _says(diff: dict) -> str:
-    return {"supports": "above 0: the first is higher", "refutes": "below 0: the first is lower",
-            "cannot tell": "spans 0: no difference measured"}[verdict(diff)]
-
-
 def _ranking(table: dict, task: str) -> str:
     rows = {k.split("/")[1]: v for k, v in table.items() if k.startswith(task + "/") and not k.endswith("/sft_start")}
     ranked = sorted(rows, key=lambda a: rows[a]["final_acc"]["mean"], reverse=True)
     text = (f"As measured on `{task}`, by final accuracy: "
             + " > ".join(f"{a} ({rows[a]['final_acc']['mean']:.3f})" for a in ranked) + ".")
     if "sao" in ranked:
-        text += f" SAO is {ranked.index('sao') + 1} of {len(ranked)}; whether a gap is real is what the intervals above say."
+        text += (f" SAO is {ranked.index('sao') + 1} of {len(ranked)}; whether a gap is real is what the "
+                 "corrected tests above say.")
     return text
 
 
@@ -147,23 +174,44 @@ def online_section(r: dict, link) -> str:
                       [[m, s["seed"], f"{s['from']} -> {s['to']}", f"{s['before']:.3f}", f"{s['dip']:.3f}",
                         f"{'never' if s['recovery_steps'] is None else s['recovery_steps']} ({s['steps_in_phase']})"]
                        for m, v in table.items() for s in v["switches"]]))
-    diffs = r.get("comparisons", {})
-    if diffs:
-        out.append("Recovery steps compared over informative switches, a switch never recovered from counted as "
-                   "its whole phase (a lower bound): " + BOOTSTRAP_NOTE.replace("over seeds", "over switches"))
-        out.append(md_table(["method", "recovery steps, censored [95% CI]"],
-                            [[m, ci_text(v["censored_recovery_ci"], 1)] for m, v in table.items()
-                             if "censored_recovery_ci" in v]))
-        out.append(md_table(["difference in recovery steps", "mean [95% CI]", "the interval"],
-                            [[key.replace("-", " - "), ci_text(d, 1), _says(d).replace("higher", "slower")
-                              .replace("lower", "faster")] for key, d in diffs.items()]))
+    from bench.report_claims import recovery_per_seed
+
+    per_seed = {m: recovery_per_seed(v) for m, v in table.items()}
+    if "sao" in per_seed and len(per_seed) > 1:
+        out.append("Recovery steps with the seed as the unit: per seed, the mean over its informative switches, a "
+                   "switch never recovered from counted as its whole phase (a lower bound). " + INTERVAL_NOTE)
+        out.append(md_table(["method", "seeds", "recovery steps, censored [95% CI]"],
+                            [[m, len(v), ci_text(seed_ci({"per_seed": {"x": v}}, "x"), 1)]
+                             for m, v in per_seed.items()]))
+        out.append(differences({f"{m} - sao": (v, per_seed["sao"]) for m, v in per_seed.items() if m != "sao"},
+                               digits=1, what="recovery steps (positive: sao faster)"))
+    out.append(phase_auc_text(table, r.get("reachable_level", 0.05)))
     out.append(link("online.png", "online"))
     out.append(failures_text(r))
     out.append(_online_verdict(table, seeds))
     if not r.get("full"):
-        out.append("The `--full` version (4 phases of 60 steps, back to the first style; see bench/online.py) "
-                   "was not run.")
+        out.append("The `--full` version (10 seeds, 5 phases including returns to the first rule, each phase "
+                   "reachable at its start, per-phase reward AUC with the seed as the unit; see bench/online.py): "
+                   f"{NOT_RUN}.")
     return "\n\n".join(x for x in out if x)
+
+
+def phase_auc_text(table: dict, level: float) -> str:
+    """Per-phase reward AUC (mean reward over the phase's policy steps), one number per seed, and the
+    differences against SAO over every phase after the first. '' for files that predate it."""
+    if "sao" not in table or "auc_per_seed" not in table["sao"]:
+        return ""
+    phases = table["sao"]["phase_auc"]            # {phase label: [per-seed AUC]}
+    rows = [[m, *[ci_text(seed_ci({"per_seed": {"x": v["phase_auc"][ph]}}, "x")) for ph in phases],
+             ci_text(seed_ci({"per_seed": {"x": v["auc_per_seed"]}}, "x"))] for m, v in table.items()]
+    rows += [[f"{m}: reachable at its start (level >= {level:g}), seeds", *[
+        f"{v['reachable'][ph]} of {len(v['phase_start'][ph])}" for ph in phases], ""] for m, v in table.items()]
+    return "\n\n".join([
+        "Reward AUC per phase (mean reward over the phase's policy steps; per seed, then over seeds), and in "
+        "how many seeds each phase was reachable at its start (its first steps' mean reward at least the level):",
+        md_table(["method", *phases, "every phase after the first"], rows),
+        differences({f"sao - {m}": (table["sao"]["auc_per_seed"], v["auc_per_seed"]) for m, v in table.items()
+                     if m != "sao"}, what="reward AUC after the first phase")])
 
 
 def _recovery_cell(v: dict) -> str:
@@ -212,42 +260,3 @@ def phase_levels(table: dict) -> dict[str, dict[str, float]]:
         for switch in row.get("switches", []):
             levels.setdefault(switch["from"], {}).setdefault(method, []).append(switch["before"])
     return {phase: {m: statistics.fmean(v) for m, v in per.items()} for phase, per in levels.items()}
-
-
-def stability_section(r: dict, link) -> str:
-    res = r["results"]
-    if "runs" not in next(iter(res.values()), {}):
-        return "This file predates the 5-seed stability benchmark from the SFT start: rerun `sao bench stability`."
-    setting = ", ".join(f"`{x}`" for x in r.get("setting", []))
-    out = [f"From the SFT start, in a setting where collapse is possible ({setting}): {r.get('steps', '?')} policy "
-           f"steps (+{r.get('warmup', '?')} warm-up, given to the group methods as steps), "
-           f"{len(next(iter(res.values()))['seeds'])} seeds per algorithm. A run **collapses** when its final accuracy "
-           f"({r.get('window', 10)}-step moving average) is below half its running peak and at least 0.1 below it, "
-           "or its entropy ends below a tenth of its peak while accuracy ends below the SFT start's, or its "
-           "train-rollout logprob gap over the last 10 steps is over 3x that of the first 10 (ratio divergence). "
-           "Grad-norm spikes: steps over 10x the run's median. " + BOOTSTRAP_NOTE]
-    rows = []
-    for algo, v in res.items():
-        runs = v["runs"]
-        rows.append([algo, f"{v['collapsed']} of {len(runs)}",
-                     ", ".join(_kinds(x) for x in runs if x["collapsed"]) or "-",
-                     ci_text(v["final_acc"]), ci_text(v["max_acc_drop"]), f"{v['grad_norm_spikes']['mean']:.1f}",
-                     f"{statistics.fmean(x['staleness_mean'] for x in runs):.2f} / "
-                     f"{max(x['staleness_max'] for x in runs):.0f}"])
-    out.append(md_table(["algorithm", "collapsed", "how", "final accuracy", "max drop from peak",
-                         "spikes per run", "staleness mean / max"], rows))
-    diffs = r.get("comparisons", {})
-    if diffs:
-        out.append(md_table(["difference in final accuracy", "mean [95% CI]", "the interval"],
-                            [[key.replace("-", " - "), ci_text(d), _says(d)] for key, d in diffs.items()]))
-    out.append(link("stability.png", "stability"))
-    out.append(failures_text(r))
-    if r.get("quick"):
-        out.append("Only the quick smoke run is recorded: it checks that the benchmark runs; no claim is made.")
-    return "\n\n".join(x for x in out if x)
-
-
-def _kinds(run: dict) -> str:
-    kinds = [name for key, name in (("reward_collapse", "accuracy"), ("entropy_collapse", "entropy"),
-                                    ("ratio_divergence", "ratio")) if run.get(key)]
-    return "+".join(kinds)

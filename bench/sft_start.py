@@ -18,19 +18,21 @@ from bench.training_runs import SFT_DEMO, run_env
 TASK = "chain:1:1"   # the demo's task: one-digit a+b / a-b, answers 0-18
 
 
-def sft_start(out_dir: Path, quick: bool = False, timeout_s: float = 3600.0) -> Path:
-    """The SFT model directory under out_dir/sft_start (made here when missing or stale)."""
-    root = Path(out_dir).resolve() / "sft_start"
+def sft_start(out_dir: Path, quick: bool = False, timeout_s: float = 3600.0, recipe: Path = SFT_DEMO,
+              overrides: tuple = (), name: str = "sft_start") -> Path:
+    """The SFT model directory under out_dir/NAME (made here when missing or stale). `recipe` and
+    `overrides` (e.g. another rollout.task) make the start of another task; each task has its own NAME."""
+    root = Path(out_dir).resolve() / name
     root.mkdir(parents=True, exist_ok=True)
     model = root / "model"
-    steps = 2 if quick else _recipe_sft_steps()
+    steps = 2 if quick else _recipe_sft_steps(recipe)
     marker = model / "sao_sft.json"
     if marker.is_file() and json.loads(marker.read_text()).get("sft", {}).get("steps") == steps:
         return model                      # made by an earlier benchmark of this out dir
-    cmd = [sys.executable, "-m", "sao_megatron.cli.main", "sft", str(SFT_DEMO), "run.name='sft-start'",
+    cmd = [sys.executable, "-m", "sao_megatron.cli.main", "sft", str(recipe), "run.name='sft-start'",
            f"run.output_dir='{root}'", f"model.path='{root / 'base'}'", f"sft.output='{model}'",
            "logging.wandb=false", "logging.console=false", "logging.plot=false", "run.seed=1"]
-    cmd += [f"sft.steps={steps}"]
+    cmd += [f"sft.steps={steps}", *overrides]
     log = root / "sft.log"
     with log.open("w") as fh:
         proc = subprocess.run(cmd, cwd=root, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s, env=run_env())
@@ -40,19 +42,19 @@ def sft_start(out_dir: Path, quick: bool = False, timeout_s: float = 3600.0) -> 
     return model
 
 
-def _recipe_sft_steps() -> int:
+def _recipe_sft_steps(recipe: Path = SFT_DEMO) -> int:
     import tomllib
 
-    return int(tomllib.loads(SFT_DEMO.read_text())["sft"]["steps"])
+    return int(tomllib.loads(recipe.read_text())["sft"]["steps"])
 
 
-def sft_info(model: Path) -> dict:
+def sft_info(model: Path, recipe: Path = SFT_DEMO, task: str = TASK) -> dict:
     """What the start model was trained with (its marker), for the report."""
     marker = model / "sao_sft.json"
     info = json.loads(marker.read_text()) if marker.is_file() else {}
     sft = info.get("sft", {})
-    return {"recipe": str(SFT_DEMO.relative_to(SFT_DEMO.parents[1])), "sft_steps": sft.get("steps"),
-            "sft_lr": sft.get("lr"), "sft_batch_size": sft.get("batch_size"), "task": TASK}
+    return {"recipe": str(recipe.relative_to(recipe.parents[1])), "sft_steps": sft.get("steps"),
+            "sft_lr": sft.get("lr"), "sft_batch_size": sft.get("batch_size"), "task": task}
 
 
 def from_sft(model: Path) -> list[str]:

@@ -11,6 +11,15 @@ A run collapses when any of these holds (all measured on policy steps, 10-step m
 - ratio divergence: the train-rollout logprob gap of the last 10 steps is over 3x that of the first 10
   (the trainer's policy has moved far from the samples it trains on).
 Also counted: grad-norm spikes (steps over 10x the run's median grad norm).
+
+Per run, `peak_gain` = the peak of the full-window moving averages of accuracy minus the mean of its first
+WINDOW batches (peak_gain() says why) and
+`learned` = peak_gain > LEARNED_THRESHOLD: a collapse only means "learns, then collapses" in runs that
+learned. `collapse_step` = the first policy step at which the reward-collapse condition holds on the
+running values (None: never), the time Kaplan-Meier curves and log-rank tests (bench/survival.py) read.
+
+`--full` (not run yet: hours on 2 CPU cores) uses 10 seeds per arm at the demo's own learning rate with
+the staleness pushed to 8, so that runs first learn and then may collapse.
 """
 from __future__ import annotations
 
@@ -19,27 +28,43 @@ from pathlib import Path
 
 from bench.algorithms import ALGORITHMS, budget_overrides
 from bench.sft_start import TASK, from_sft, sft_info, sft_start
-from bench.stats import diff_ci, mean_ci
+from bench.stats import compare, mean_ci
+from bench.survival import kaplan_meier, logrank, plot_survival
 from bench.training_runs import SFT_DEMO, plot_curves, run_all, series
 
 SETTING = ["algorithm.lr=2e-3", "rollout.staleness_bound=8", "rollout.max_in_flight=512",
            "rollout.max_new_tokens=16", f"rollout.task='{TASK}'"]
+# --full: the demo's lr 3e-4 (every run learns there) with staleness up to 8, and twice the steps
+FULL_SETTING = ["algorithm.lr=3e-4", "rollout.staleness_bound=8", "rollout.max_in_flight=512",
+                "rollout.max_new_tokens=16", f"rollout.task='{TASK}'"]
 WINDOW = 10
 STEPS, WARMUP = 120, 10
+FULL_STEPS, FULL_SEEDS = 240, list(range(1, 11))
+LEARNED_THRESHOLD = 0.10      # peak accuracy must rise 10 points above the start for a run to count as learned
 
 
 def _moving(values: list[float]) -> list[float]:
     return [statistics.fmean(values[max(0, i - WINDOW + 1):i + 1]) for i in range(len(values))]
 
 
+def peak_gain(rows: list[dict], moving: list[float]) -> float:
+    """Peak of the full-window moving averages minus the mean of the run's first WINDOW batches (the SFT
+    model's own samples, warm-up included): both sides average WINDOW batches, so noise does not pass as gain."""
+    first = series(rows, "rollout/accuracy")[:WINDOW]
+    full = moving[WINDOW - 1:]
+    return max(full) - statistics.fmean(first) if full and first else float("nan")
+
+
 def collapse_signals(rows: list[dict]) -> dict:
     policy = [r for r in rows if "train/entropy" in r]          # critic warm-up steps train no policy
     acc = _moving(series(policy, "rollout/accuracy"))
     start = series(rows, "rollout/accuracy")[:1]
-    peak, drop = float("-inf"), 0.0
-    for value in acc:
+    peak, drop, collapse_step = float("-inf"), 0.0, None
+    for step, value in enumerate(acc, start=1):
         peak = max(peak, value)
         drop = max(drop, peak - value)
+        if collapse_step is None and value < 0.5 * peak and peak - value >= 0.1:
+            collapse_step = step
     entropy = series(policy, "train/entropy")
     gap = series(policy, "train/train_rollout_logprob_abs_diff")
     norms = series(policy, "train/grad_norm")
@@ -57,21 +82,27 @@ def collapse_signals(rows: list[dict]) -> dict:
         "logprob_gap_last_over_first": gap_ratio, "grad_norm_spikes": sum(1 for n in norms if median and n > 10 * median),
         "staleness_mean": statistics.fmean(series(rows, "rollout/staleness_mean") or [float("nan")]),
         "staleness_max": max(series(rows, "rollout/staleness_max") or [float("nan")]),
+        "peak_gain": peak_gain(rows, acc), "learned": peak_gain(rows, acc) > LEARNED_THRESHOLD,
+        "collapse_step": collapse_step,
         "reward_collapse": reward_collapse, "entropy_collapse": entropy_collapse, "ratio_divergence": divergence,
         "collapsed": reward_collapse or entropy_collapse or divergence,
     }
 
 
-def run(quick: bool = False, out_dir: Path = Path("results"), jobs: int = 1) -> dict:
-    """quick: 3 steps of SAO from a 2-step SFT; default: 5 algorithms x 5 seeds x 120 policy steps in the
-    setting above (about 25 min on 2 CPU cores with jobs=2)."""
-    steps, warmup = (3, 1) if quick else (STEPS, WARMUP)
-    algos = ["sao"] if quick else list(ALGORITHMS)
-    seeds = [1] if quick else [1, 2, 3, 4, 5]
+def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False, jobs: int = 1) -> dict:
+    """quick: 3 steps of SAO from a 2-step SFT; default: 5 algorithms x 5 seeds x 120 policy steps
+    in the setting above (about 25 min on 2 CPU cores with jobs=2); full: every arm x 10 seeds x 240 steps
+    in FULL_SETTING (hours)."""
+    from bench.algorithms import ARMS_FULL
+
+    steps, warmup = (3, 1) if quick else ((FULL_STEPS, WARMUP) if full else (STEPS, WARMUP))
+    algos = ["sao"] if quick else (list(ARMS_FULL) if full else list(ALGORITHMS))
+    seeds = [1] if quick else (FULL_SEEDS if full else [1, 2, 3, 4, 5])
+    setting = FULL_SETTING if full else SETTING
     model = sft_start(out_dir, quick)
     work = out_dir / "runs_stability"
-    specs = [(f"stability-{algo}-s{seed}", ALGORITHMS[algo] + budget_overrides(algo, steps, warmup) + from_sft(model)
-              + SETTING + [f"run.seed={seed}"]) for algo in algos for seed in seeds]
+    specs = [(f"stability-{algo}-s{seed}", ARMS_FULL[algo] + budget_overrides(algo, steps, warmup) + from_sft(model)
+              + setting + [f"run.seed={seed}"]) for algo in algos for seed in seeds]
     failed: list[dict] = []
     rows = run_all(specs, work, jobs=jobs, recipe=SFT_DEMO, timeout_s=6 * 3600, failures=failed)
     results, curves = {}, {}
@@ -85,15 +116,21 @@ def run(quick: bool = False, out_dir: Path = Path("results"), jobs: int = 1) -> 
                          "max_acc_drop": mean_ci([r["max_acc_drop"] for r in runs]),
                          "grad_norm_spikes": mean_ci([r["grad_norm_spikes"] for r in runs])}
         curves[algo] = [series(rows[f"stability-{algo}-s{seed}"], "rollout/accuracy") for seed in kept]
-    comparisons = {f"sao-{a}": diff_ci([r["final_acc"] for r in results["sao"]["runs"]],
+    comparisons = {f"sao-{a}": compare([r["final_acc"] for r in results["sao"]["runs"]],
                                        [r["final_acc"] for r in results[a]["runs"]])
                    for a in algos if a != "sao"}
-    plot_curves(curves, f"stability from the SFT start: accuracy (lr 2e-3, staleness <= 8, {len(seeds)} seeds)",
+    times = {a: ([float(x["collapse_step"] or x["steps"]) for x in v["runs"]],
+                 [x["collapse_step"] is not None for x in v["runs"]]) for a, v in results.items()}
+    survival = {a: kaplan_meier(*t) for a, t in times.items()}
+    tests = {f"sao-{a}": logrank(*times["sao"], *times[a]) for a in algos if a != "sao"}
+    plot_curves(curves, f"stability from the SFT start: accuracy ({setting[0]}, staleness <= 8, {len(seeds)} seeds)",
                 out_dir / "stability.png", ylabel="accuracy")
+    plot_survival(survival, out_dir / "stability_survival.png", "time to collapse (Kaplan-Meier)")
     lines = [f"{'algorithm':10s} {'collapsed':>9s} {'final acc [95% CI]':>24s} {'max drop':>9s} {'spikes':>7s}"]
     for algo, r in results.items():
         f = r["final_acc"]
         lines.append(f"{algo:10s} {r['collapsed']:5d} of {len(seeds)} {f['mean']:8.3f} [{f['lo']:.3f}, {f['hi']:.3f}] "
                      f"{r['max_acc_drop']['mean']:9.3f} {r['grad_norm_spikes']['mean']:7.1f}")
-    return {"results": results, "comparisons": comparisons, "setting": SETTING, "steps": steps, "warmup": warmup,
+    return {"results": results, "comparisons": comparisons, "setting": setting, "survival": survival,
+            "logrank": tests, "learned_threshold": LEARNED_THRESHOLD, "steps": steps, "warmup": warmup,
             "window": WINDOW, "start": sft_info(model), "failed_runs": failed, "summary": "\n".join(lines)}

@@ -11,6 +11,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
@@ -28,21 +29,27 @@ def run_env() -> dict:
 
 
 def run_all(specs: list[tuple[str, list[str]]], out_root: Path, jobs: int = 1, recipe: Path = TINY,
-            timeout_s: float = 3600.0, failures: Optional[list] = None) -> dict[str, list[dict]]:
+            timeout_s: float = 3600.0, failures: Optional[list] = None,
+            walls: Optional[dict] = None) -> dict[str, list[dict]]:
     """`train_run` for each (name, overrides), `jobs` at a time; {name: rows} in the specs' order.
 
     The first run goes alone: it creates the base model the others share (out_root/model). A run
     that fails is run once more from scratch (a loaded 2-core machine can starve a run's engine past
     its timeouts); one that fails twice is left out of the result and, with its error, appended to
-    `failures`, so one run cannot void the others. Without `failures` a second failure raises."""
+    `failures`, so one run cannot void the others. Without `failures` a second failure raises.
+    `walls` receives each kept run's wall seconds (its successful attempt, the subprocess as a whole)."""
     if not specs:
         return {}
 
     def attempt(name: str, overrides: list[str]):
         errors = []
         for _ in range(2):
+            started = time.perf_counter()
             try:
-                return train_run(name, overrides, out_root, timeout_s, recipe), errors
+                rows = train_run(name, overrides, out_root, timeout_s, recipe)
+                if walls is not None:
+                    walls[name] = time.perf_counter() - started
+                return rows, errors
             except (RuntimeError, subprocess.TimeoutExpired) as err:
                 errors.append(str(err).splitlines()[0])
         if failures is None:

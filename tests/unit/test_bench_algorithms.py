@@ -14,28 +14,34 @@ import bench.algorithms as algorithms
 def fake_runs(monkeypatch, tmp_path):
     calls = {}
 
-    def run_all(specs, out_root, jobs=1, recipe=None, timeout_s=0, failures=None):
+    def run_all(specs, out_root, jobs=1, recipe=None, timeout_s=0, failures=None, walls=None):
         rows = {}
         for name, overrides in specs:
             calls[name] = overrides
+            calls.setdefault("_recipes", {})[name] = recipe
+            if walls is not None:
+                walls[name] = 1.5
             (out_root / name).mkdir(parents=True, exist_ok=True)
             batch = 64
             (out_root / name / "resolved_recipe.toml").write_text(f"[rollout]\nbatch_size = {batch}\n")
             steps = next(int(o.split("=")[1]) for o in overrides if o.startswith("run.num_steps="))
             steps += next((int(o.split("=")[1]) for o in overrides if o.startswith("critic.warmup_steps=")), 0)
             better = 0.3 if "algorithm.name='sao'" in overrides else 0.0
-            rows[name] = [{"step": s, "rollout/accuracy": 0.4 + better * s / steps, "rollout/raw_reward": 0.5}
-                          for s in range(1, steps + 1)]
+            lr = next((float(o.split("=")[1]) for o in overrides if o.startswith("algorithm.lr=")), 3e-4)
+            heldout = {f"eval/scratch:4:eval/avg@{algorithms.EVAL_K}": 0.5 - abs(lr - 3e-4)}   # best at 3e-4
+            rows[name] = [{"step": s, "rollout/accuracy": 0.4 + better * s / steps, "rollout/raw_reward": 0.5,
+                           **(heldout if s == steps else {})} for s in range(1, steps + 1)]
         return rows
 
     monkeypatch.setattr(algorithms, "run_all", run_all)
-    monkeypatch.setattr(algorithms, "sft_start", lambda out_dir, quick=False: tmp_path / "sft_model")
+    monkeypatch.setattr(algorithms, "sft_start", lambda out_dir, quick=False, **kw: tmp_path / "sft_model")
     monkeypatch.setattr(algorithms, "plot_curves", lambda *a, **k: None)
     return calls
 
 
 def test_every_run_starts_from_the_sft_model_with_an_equal_sample_budget(tmp_path, fake_runs):
     result = algorithms.run(out_dir=tmp_path)
+    fake_runs.pop("_recipes")
     assert len(fake_runs) == 5 * 5                                    # 5 algorithms x 5 seeds
     assert all(f"model.path='{tmp_path / 'sft_model'}'" in o and "sft.steps=0" in o for o in fake_runs.values())
     samples = {row["samples_per_run"][0] for key, row in result["table"].items() if "samples_per_run" in row}
@@ -44,7 +50,46 @@ def test_every_run_starts_from_the_sft_model_with_an_equal_sample_budget(tmp_pat
     assert sao["final_acc"]["mean"] > grpo["final_acc"]["mean"] and sao["final_acc"]["n"] == 5
     assert result["table"]["chain:1:1/sft_start"]["runs"] == 25
     diffs = result["comparisons"]["chain:1:1"]
-    assert diffs["sao-grpo"]["lo"] > 0 and set(diffs) == {f"{a}-{b}" for a, b in algorithms.COMPARISONS}
+    assert diffs["sao-grpo"]["lo"] > 0 and diffs["sao-grpo"]["p"] < 0.05
+    assert set(diffs) == {f"{a}-{b}" for a, b in algorithms.COMPARISONS if "running_mean" not in b and "clip" not in b}
+    assert sao["per_seed"]["wall_s"] == [1.5] * 5 and sao["lr"] is None      # the default run sweeps nothing
+
+
+def test_the_full_design_sweeps_the_lr_on_held_out_prompts_then_runs_fresh_seeds(tmp_path, fake_runs):
+    result = algorithms.run(out_dir=tmp_path, full=True, tasks=["scratch:4"])
+    recipes = fake_runs.pop("_recipes")
+    arms = list(algorithms.ARMS_FULL)
+    assert {"running_mean", "sao_ppo_clip"} <= set(arms) and len(arms) == 7
+    sweep = [n for n in fake_runs if "-lr" in n]
+    assert len(sweep) == len(arms) * len(algorithms.LR_GRID) * len(algorithms.SWEEP_SEEDS)
+    assert all(n.rsplit("-s", 1)[1] in {str(s) for s in algorithms.SWEEP_SEEDS} for n in sweep)
+    fresh = [n for n in fake_runs if "-lr" not in n]
+    assert len(fresh) == len(arms) * 10 and not set(algorithms.SWEEP_SEEDS) & {int(n.rsplit("-s", 1)[1]) for n in fresh}
+    for name in fresh:                                   # each arm at the lr its held-out score chose
+        assert "algorithm.lr=0.0003" in fake_runs[name], name
+    assert all("rollout.engine_dtype='bf16'" in o for o in fake_runs.values())       # the mismatch DIS corrects
+    assert all("eval.datasets=['task:scratch:4:eval']" in o for o in fake_runs.values())
+    assert all(r == algorithms.SFT_DEMO for r in recipes.values())
+    assert result["lr_sweep"]["scratch:4/sao"]["chosen"] == 3e-4 and result["engine_dtype"] == "bf16"
+    assert result["table"]["scratch:4/sao_ppo_clip"]["per_seed"]["heldout_acc"] == [0.5] * 10
+    ppo_clip = fake_runs["scratch_4-sao_ppo_clip-s1"]
+    assert "algorithm.loss='ppo'" in ppo_clip and "critic.warmup_steps=10" in ppo_clip     # same critic as SAO
+    assert "run.num_steps=310" in fake_runs["scratch_4-running_mean-s1"]                   # warm-up given as steps
+
+
+def test_the_agent_task_runs_on_the_agent_recipe_from_its_own_sft_start(tmp_path, fake_runs, monkeypatch):
+    starts = []
+    monkeypatch.setattr(algorithms, "sft_start", lambda out_dir, quick=False, **kw: starts.append(kw) or tmp_path)
+    algorithms.run(out_dir=tmp_path, full=True, tasks=["agent"])
+    recipes = fake_runs.pop("_recipes")
+    assert set(recipes.values()) == {algorithms.AGENT_RECIPE}
+    assert starts[0]["recipe"] == algorithms.AGENT_RECIPE and starts[0]["name"] == "sft_start_agent"
+    assert not any("eval.datasets" in o for runs in [fake_runs.values()] for o in runs)   # no disjoint split
+
+
+def test_the_lr_with_the_best_mean_score_wins_and_ties_go_to_the_smaller():
+    assert algorithms.choose_lr({1e-4: [0.25, 0.75], 3e-4: [0.5, 0.5], 1e-3: [0.1, 0.1]}) == 1e-4   # a tie
+    assert algorithms.choose_lr({1e-4: [0.2], 3e-4: [0.5], 1e-3: [0.45]}) == 3e-4
 
 
 def test_a_task_run_alone_extends_the_previous_result(tmp_path, fake_runs):
@@ -52,6 +97,7 @@ def test_a_task_run_alone_extends_the_previous_result(tmp_path, fake_runs):
     (tmp_path / "algorithms.json").write_text(json.dumps(dict(first, quick=False, full=False)))
     fake_runs.clear()
     result = algorithms.run(out_dir=tmp_path, tasks=["chain:2:1"])
+    fake_runs.pop("_recipes")
     assert fake_runs and all(name.startswith("chain_2_1-") for name in fake_runs)
     assert result["table"]["chain:1:1/sao"] == first["table"]["chain:1:1/sao"]
     assert set(result["comparisons"]) == {"chain:1:1", "chain:2:1"}
