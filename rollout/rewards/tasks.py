@@ -22,6 +22,12 @@ Scores (r = response with surrounding whitespace stripped):
   allowed numbers with another value; else 0.
 - copy (reverse a short lowercase string): matching characters at equal positions divided by
   max(len(r), len(target)), so extra or missing characters cost credit.
+- scratch ("scratch:K", K in 3..6 chained + / - operations on one-digit numbers, e.g. "7+5-3+2="): a long
+  horizon with a sparse reward. The reference response writes every partial result, then the answer
+  after "|" ("7+5=12,12-3=9,9+2=11|11": 20-40 characters at K=4); the score is 1.0 when the text after
+  the last "|" is the answer and 0 otherwise, whatever the scratchpad says. Problems are split by a
+  stable hash of their text: "scratch:K" draws only training problems, "scratch:K:eval" only held-out
+  ones (one in SCRATCH_EVAL_SHARE), so an evaluation never sees a training prompt.
 - digits (the prompt is one lowercase letter, "x:"; answer in digits): the fraction of r's characters
   that are digits, 0 for an empty r. The online environment's first phase held fixed: a style the
   tiny model learns within tens of steps, so algorithms can be compared on how fast they learn it.
@@ -32,6 +38,7 @@ import ast
 import random
 import re
 import string
+import zlib
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -90,6 +97,48 @@ def score_chain(response: str, label: str) -> float:
         return 0.0
     same = sum(a == b for a, b in zip(r, label))
     return 0.5 * same / max(len(r), len(label))
+
+
+SCRATCH_EVAL_SHARE = 5          # one problem in 5 (by a hash of its text) is held out for evaluation
+SCRATCH_OPS = range(3, 7)
+
+
+def scratch_split(text: str) -> str:
+    """'eval' or 'train' for a scratch problem's text: a stable hash (crc32), the same on every machine."""
+    return "eval" if zlib.crc32(text.encode()) % SCRATCH_EVAL_SHARE == 0 else "train"
+
+
+def make_scratch(rng: random.Random, ops: int = 4, split: str = "train") -> Problem:
+    """`ops` chained + / - on one-digit numbers (no partial result negative), drawn from `split` only."""
+    while True:                        # about 1 draw in 5 is eval: a few tries find the wanted split
+        total, text, steps = rng.randrange(10), "", []
+        text = str(total)
+        for _ in range(ops):
+            if total > 0 and rng.random() < 0.5:
+                n = rng.randrange(min(total, 9) + 1)
+                steps.append(f"{total}-{n}={total - n}")
+                total, text = total - n, f"{text}-{n}"
+            else:
+                n = rng.randrange(10)
+                steps.append(f"{total}+{n}={total + n}")
+                total, text = total + n, f"{text}+{n}"
+        if scratch_split(text) == split:
+            return Problem(f"{text}=", ",".join(steps) + f"|{total}", {"task": f"scratch:{ops}", "split": split})
+
+
+def score_scratch(response: str, label: str) -> float:
+    """1.0 when the text after the response's last '|' is the label's answer; the scratchpad earns nothing."""
+    if "|" not in response:
+        return 0.0
+    return 1.0 if response.rsplit("|", 1)[1].strip() == label.rsplit("|", 1)[1] else 0.0
+
+
+def scratch_task(ops: int = 4, split: str = "train") -> Task:
+    if ops not in SCRATCH_OPS or split not in ("train", "eval"):
+        raise ValueError(f"rollout.task: scratch:{ops}{':' + split if split != 'train' else ''} is out of range; "
+                         f"use scratch:K or scratch:K:eval with K in {SCRATCH_OPS.start}..{SCRATCH_OPS.stop - 1}")
+    suffix = ":eval" if split == "eval" else ""
+    return Task(f"scratch:{ops}{suffix}", lambda rng: make_scratch(rng, ops, split), score_scratch)
 
 
 def make_countdown(rng: random.Random, count: int = 3) -> Problem:
@@ -200,8 +249,14 @@ def get_task(name: str) -> Task:
     """A built-in task by name; "chain:K:D" picks the chain family's difficulty (K ops, D digits)."""
     if name == "chain" or name.startswith("chain:"):
         return chain_task(*_chain_level(name))
+    if name == "scratch" or name.startswith("scratch:"):
+        parts = name.split(":")[1:]
+        if len(parts) > 2 or (parts and not parts[0].isdigit()) or (len(parts) == 2 and parts[1] != "eval"):
+            raise ValueError(f"rollout.task: {name!r} is not scratch:K or scratch:K:eval; write e.g. scratch:4")
+        return scratch_task(int(parts[0]) if parts else 4, "eval" if len(parts) == 2 else "train")
     if name not in TASKS:
-        raise ValueError(f"rollout.task: unknown task {name!r}; use one of {sorted(TASKS)}, chain:K:D or 'online'")
+        raise ValueError(f"rollout.task: unknown task {name!r}; use one of {sorted(TASKS)}, chain:K:D, scratch:K[:eval] "
+                         "or 'online'")
     return TASKS[name]
 
 

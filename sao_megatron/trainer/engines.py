@@ -131,6 +131,8 @@ def _launch_engine(recipe: Recipe, index: int, api_key: str, run_dir: Path, port
             extra.append("--shard-writes")   # the opt-in stand-in for per-rank writes (shard_writes.py)
         if rollout.engine_fp8:
             extra += ["--quantization", "fp8"]   # serves block-FP8 weights, takes only FP8 updates for them
+        if rollout.engine_dtype != "fp32":
+            extra += ["--dtype", rollout.engine_dtype]   # a real train/inference mismatch against the fp32 trainer
         if _has_indexer(recipe):
             extra.append("--enable-return-indexer-topk")   # the DSA choices the trainer replays
         return launch_local(Path(engine_model_path(recipe)).resolve(), host=rollout.host, port=port, api_key=api_key,

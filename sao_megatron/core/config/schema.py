@@ -142,6 +142,10 @@ class RolloutConfig:
     mem_fraction: float = doc(0.7, "SGLang: --mem-fraction-static.", bounds="(0, 1)")
     engine_fp8: bool = doc(False, "Engines serve block-FP8 (128x128) weights (--quantization fp8) and weight sync "
                                   "sends them FP8 blocks with their scales (docs/weight-transports.md, FP8 engines).")
+    engine_dtype: Literal["fp32", "bf16"] = doc(
+        "fp32", "Reference engines: the dtype they run in (--dtype); weight sync casts the trainer's weights to it. "
+                "bf16 against the fp32 trainer is a real train/inference mismatch (what DIS and the mismatch "
+                "corrections are for).")
     engine_model_path: str = doc("", "Checkpoint the engines load ('' = model.path). SGLang with engine_fp8: a "
                                      "block-FP8 checkpoint of the model (quantization_config fp8, [128, 128] blocks).")
     engine_gpu: Literal["", "h100", "h200", "h20", "b200", "b300", "gb200", "gb300"] = doc(
@@ -222,6 +226,9 @@ class RolloutConfig:
                  f"FP8 engines on {self.engine_gpu}: SGLang 0.5.23 re-quantises their block scales to UE8M0 (powers "
                  "of two, DeepGEMM's layout) at first load on Blackwell, and weight updates carry amax/448 scales",
                  "set rollout.engine_fp8 = false (bf16 engines) or run the engines on Hopper (h100, h200)")
+        _require(self.engine_dtype == "fp32" or (self.engine == "reference" and not self.engine_fp8),
+                 f"{p}.engine_dtype", f"{self.engine_dtype!r} is for the reference engine without engine_fp8",
+                 "SGLang engines choose their dtype from the checkpoint; set rollout.engine_dtype = 'fp32'")
         if self.engine_args:   # SGLang's flag table lives with the launcher (rollout/), reached by path
             _require(self.engine == "sglang", f"{p}.engine_args", "SGLang flags with rollout.engine = "
                      f"{self.engine!r}", "clear rollout.engine_args or set rollout.engine = 'sglang'")
