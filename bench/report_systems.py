@@ -14,7 +14,7 @@ from bench.report_format import code_block, md_table, met
 TARGETS = {
     "pipeline_speedup": 2.5,          # async single / sync group samples per second, at least
     "pipeline_idle": 0.15,            # steady-state trainer idle fraction of the async pipeline, below
-    "weight_sync_ratio": 0.85,        # weight sync bytes/s over a raw broadcast's, at least
+    "weight_sync_ratio": 0.9,         # weight sync bytes/s over the ceiling's (plain preallocated broadcast), at least
     "engine_ratio": 1.0,              # reference server tokens/s over HF generate's, at least
     "memory_tolerance": 0.15,         # |measured / predicted - 1| of the planner, at most
 }
@@ -44,11 +44,11 @@ def pipeline_section(r: dict, link) -> str:
 
 
 def weight_sync_section(r: dict, link) -> str:
-    best = max(r["sweep"], key=lambda s: s["ratio_vs_raw"])
+    best = max(r["sweep"], key=lambda s: s["vs_ceiling"])
     target = TARGETS["weight_sync_ratio"]
-    text = (f"Target >= {target} of a raw broadcast of the same bytes on the same group: "
-            f"{met(best['ratio_vs_raw'] >= target)} (best {best['ratio_vs_raw']:.2f} at {best['bucket_mb']:g} MiB "
-            f"buckets).")
+    text = (f"Target >= {target} of the ceiling, the fastest plain preallocated broadcast of the same bytes to the "
+            f"same receivers in the same run: {met(best['vs_ceiling'] >= target)} (best {best['vs_ceiling']:.2f} at "
+            f"{best['bucket_mb']:g} MiB buckets).")
     bucket = _recipe_bucket_mb()
     if bucket is not None:
         text += f" The tiny recipe (recipes/tiny_moe_cpu.toml) uses {bucket:g} MiB buckets."

@@ -1,19 +1,20 @@
-"""Weight-sync throughput: BroadcastWeightSync.push vs a raw torch.distributed broadcast of the same
-bytes on the same process group, with a bucket-size sweep. `sao bench weight_sync [--quick]`.
+"""Weight-sync throughput: BroadcastWeightSync.push against a ceiling, a plain preallocated broadcast of the
+same bytes to the same receivers in the same run, with a bucket-size sweep. `sao bench weight_sync [--quick]`.
 
 Setup, all on this machine: the sender (this process, rank 0) and `engines` LoopbackEngine receivers
 (child processes that speak the weight protocol exactly as SGLang ranks do, docs/engines.md) joined in
 one gloo group (nccl with CUDA). The payload is a synthetic MoE-shaped state dict in bf16: per layer
 attention + router tensors and `experts` expert triples (gate/up/down), `total_mb` MiB in all.
 
-- raw: dist.broadcast of a uint8 tensor of the payload's total bytes (receivers post matching
-  receives), once in one piece ("raw_one_shot") and once in slices of the bucket size ("raw at the
-  same bucket size"): the transport's ceiling without names, HTTP calls, flattening or loading.
+- raw: dist.broadcast of the payload's total bytes from one sender buffer allocated once per run into
+  each receiver's reused buffer (ReceiveBuffer, as the sync's receivers use), in one piece ("one shot")
+  and in slices of each swept bucket size: the transport without names, HTTP calls, flattening or
+  loading. The ceiling is the fastest of these plain broadcasts in the run.
 - sync: one weight-update session around push(named_tensors, version) = liveness (/model_info), per
   bucket (flatten + update call per engine concurrently with the broadcast + receiver unflatten), as
   the trainer runs it inside its update window (the engines are idle here: no pause to hold).
-ratio_vs_raw = sync bytes/s / raw bytes/s at the same bucket size (target >= 0.85); ratio_vs_one_shot
-compares with the single big broadcast. Each number is the best of `repeats` runs.
+vs_ceiling = sync bytes/s / ceiling bytes/s (target >= 0.9); ratio_vs_raw compares with the plain
+broadcast sliced at the same bucket size. Each number is the best of `repeats` runs, interleaved.
 """
 from __future__ import annotations
 
@@ -44,28 +45,33 @@ def synthetic_moe(total_mb: float, hidden: int = 512, experts: int = 16,
     return named
 
 
-def _broadcast_slices(flat: torch.Tensor, chunk: int, group) -> None:
+def broadcast_slices(flat: torch.Tensor, chunk: int, group) -> None:
+    """The sender of a plain broadcast of `flat` in `chunk`-byte slices (the raw baselines)."""
     from rollout.weights.buckets import broadcast_flat
 
     for start in range(0, flat.numel(), chunk):
         broadcast_flat(flat[start:start + chunk], group)
 
 
-async def _raw(sync, engines, nbytes: int, chunk: int = 0) -> float:
-    """Seconds for plain broadcasts of nbytes (in `chunk`-byte slices) on the sync's group, receivers done."""
-    from rollout.weights.calls import in_daemon_thread, payload_device, pinned, run_all
+TARGET = 0.9   # sync bytes/s over the ceiling's, at least
 
+
+async def _raw(sync, engines, flat: torch.Tensor, chunk: int = 0) -> float:
+    """Seconds for a plain broadcast of `flat` (in `chunk`-byte slices) on the sync's group, receivers done."""
+    from rollout.weights.calls import in_daemon_thread, pinned, run_all
+
+    nbytes = flat.numel()
     chunk = chunk or nbytes
-    flat = torch.empty(nbytes, dtype=torch.uint8, device=payload_device(sync.backend))   # where push() sends from
     start = time.perf_counter()
     calls = {e.name: e.receive_raw(nbytes, chunk) for e in engines}
-    calls["sender"] = in_daemon_thread(pinned, flat.device, _broadcast_slices, flat, chunk, sync.group)
+    calls["sender"] = in_daemon_thread(pinned, flat.device, broadcast_slices, flat, chunk, sync.group)
     await run_all(calls, "raw broadcast", sync.cfg.timeout_s)
     return time.perf_counter() - start
 
 
 async def _measure(total_mb: float, buckets_mb: list[float], num_engines: int, repeats: int) -> dict:
     from rollout.weights import BroadcastWeightSync
+    from rollout.weights.calls import payload_device
     from rollout.weights.loopback_engine import LoopbackEngine
     from sao_megatron.core.config import WeightSyncConfig
 
@@ -75,45 +81,51 @@ async def _measure(total_mb: float, buckets_mb: list[float], num_engines: int, r
     try:
         sync = BroadcastWeightSync(WeightSyncConfig(timeout_s=300), engines)
         await sync.connect()
-        await _raw(sync, engines, 1 << 20)                                   # warm the connections
-        raw_s = min([await _raw(sync, engines, nbytes) for _ in range(repeats)])
+        flat = torch.ones(nbytes, dtype=torch.uint8, device=payload_device(sync.backend))   # touched once: preallocated
+        await _raw(sync, engines, flat)                                       # warm: connections, receive buffers
+        one_shot = []
         sweep = []
         for mb in buckets_mb:
             sync.cfg.bucket_mb = mb
             times, raw_times = [], []
-            for r in range(repeats):   # interleaved, so load changes on a shared machine hit both alike
-                raw_times.append(await _raw(sync, engines, nbytes, int(mb * 2**20)))
+            for r in range(repeats):   # interleaved, so load changes on a shared machine hit all alike
+                one_shot.append(await _raw(sync, engines, flat))
+                raw_times.append(await _raw(sync, engines, flat, int(mb * 2**20)))
                 start = time.perf_counter()
                 async with sync.update_session():
-                    await sync.push(named, version=r + 1)
+                    await sync.push(named, version=len(sweep) * repeats + r + 1)
                 times.append(time.perf_counter() - start)
             best, raw_b = min(times), min(raw_times)
             sweep.append({"bucket_mb": mb, "seconds": best, "bytes_per_s": nbytes / best, "raw_seconds": raw_b,
-                          "raw_bytes_per_s": nbytes / raw_b, "ratio_vs_raw": raw_b / best,
-                          "ratio_vs_one_shot": raw_s / best})
+                          "raw_bytes_per_s": nbytes / raw_b, "ratio_vs_raw": raw_b / best})
+        ceiling_s = min(one_shot + [row["raw_seconds"] for row in sweep])
+        for row in sweep:
+            row["vs_ceiling"] = ceiling_s / row["seconds"]
         await sync.close()
     finally:
         for e in engines:
             await e.close()
     return {"bytes": nbytes, "tensors": len(named), "engines": num_engines, "backend": sync.backend,
-            "raw_one_shot_seconds": raw_s, "raw_one_shot_bytes_per_s": nbytes / raw_s, "sweep": sweep}
+            "raw_one_shot_seconds": min(one_shot), "raw_one_shot_bytes_per_s": nbytes / min(one_shot),
+            "ceiling_seconds": ceiling_s, "ceiling_bytes_per_s": nbytes / ceiling_s, "sweep": sweep}
 
 
 def run(quick: bool = False) -> dict:
     cfg = dict(total_mb=64, buckets_mb=[4, 16, 64], num_engines=2, repeats=2) if quick else \
         dict(total_mb=512, buckets_mb=[1, 4, 16, 64, 256], num_engines=2, repeats=3)
     result = asyncio.run(_measure(**cfg))
-    best = max(result["sweep"], key=lambda s: s["ratio_vs_raw"])
+    best = max(result["sweep"], key=lambda s: s["vs_ceiling"])
     mib = 2**20
     lines = [f"weight sync, {result['bytes'] / mib:.0f} MiB in {result['tensors']} tensors -> "
-             f"{result['engines']} engines ({result['backend']}); "
-             f"raw one-shot broadcast {result['raw_one_shot_bytes_per_s'] / mib:.0f} MiB/s"]
+             f"{result['engines']} engines ({result['backend']}); ceiling (fastest plain preallocated broadcast) "
+             f"{result['ceiling_bytes_per_s'] / mib:.0f} MiB/s, one shot {result['raw_one_shot_bytes_per_s'] / mib:.0f} MiB/s"]
     lines += [f"  bucket {s['bucket_mb']:>6g} MiB: sync {s['bytes_per_s'] / mib:6.0f} MiB/s, "
-              f"raw {s['raw_bytes_per_s'] / mib:6.0f} MiB/s"
-              f"  ratio {s['ratio_vs_raw']:.2f} (vs one-shot {s['ratio_vs_one_shot']:.2f})" for s in result["sweep"]]
-    lines.append(f"best ratio {best['ratio_vs_raw']:.2f} at {best['bucket_mb']:g} MiB (target >= 0.85)")
+              f"raw {s['raw_bytes_per_s'] / mib:6.0f} MiB/s (ratio {s['ratio_vs_raw']:.2f}), "
+              f"vs ceiling {s['vs_ceiling']:.2f}" for s in result["sweep"]]
+    lines.append(f"best vs ceiling {best['vs_ceiling']:.2f} at {best['bucket_mb']:g} MiB (target >= {TARGET})")
     result["summary"] = "\n".join(lines)
-    result["best_ratio"] = best["ratio_vs_raw"]
+    result["best_vs_ceiling"] = best["vs_ceiling"]
+    result["best_ratio"] = max(s["ratio_vs_raw"] for s in result["sweep"])
     return result
 
 

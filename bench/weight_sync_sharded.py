@@ -79,14 +79,14 @@ class _Raw:
     async def broadcast(self, nbytes: int, chunk: int) -> float:
         import torch
 
-        from bench.weight_sync import _broadcast_slices
+        from bench.weight_sync import broadcast_slices
         from rollout.weights.calls import in_daemon_thread, run_all
 
         flat = torch.empty(nbytes, dtype=torch.uint8)
         start = time.perf_counter()
         calls = {f"{e.name}/{r}": rank.receive_raw(nbytes, chunk, f"raw_bcast_{self.tag}")
                  for e in self.engines for r, rank in enumerate(e.ranks)}
-        calls["sender"] = in_daemon_thread(_broadcast_slices, flat, chunk, self.bcast_group)
+        calls["sender"] = in_daemon_thread(broadcast_slices, flat, chunk, self.bcast_group)
         await run_all(calls, "raw broadcast", self.sync.cfg.timeout_s)
         return time.perf_counter() - start
 
@@ -120,7 +120,7 @@ async def _measure(total_mb: float, bucket_mb: float, lanes: list[int], num_engi
     from bench.weight_sync import synthetic_moe
     from rollout.weights.loopback_engine import LoopbackShardEngine
     from rollout.weights.shard_plan import bytes_per_rank
-    from rollout.weights.sharded import ShardWriteSync
+    from rollout.weights.shard_writes import ShardWriteSync
     from sao_megatron.core.config import WeightSyncConfig
 
     named = synthetic_moe(total_mb)

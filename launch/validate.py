@@ -25,8 +25,8 @@ import re
 from pathlib import Path
 
 from sao_megatron.core.config import ConfigError
-from sao_megatron.core.config.installed import (AGENTIC_EVALS, _custom, _importable, check_model_presets,
-                                                check_task)
+from sao_megatron.core.config.installed import (AGENTIC_EVALS, check_importable, check_model_presets, check_task,
+                                                custom_import_path)
 from sao_megatron.core.imports import resolve_import_path
 
 _SCRIPT_PATH = re.compile(r"^[^\s\x00-\x1f\x7f'\"`$\\;&|<>]*$")
@@ -102,7 +102,7 @@ def check_names(recipe) -> None:
 
 def check_imports(recipe) -> None:
     """rollout.reward_fn and a custom algorithm.loss import here (core's check, without the paths)."""
-    loss = _custom(recipe.algorithm.loss)
+    loss = custom_import_path(recipe.algorithm.loss)
     for field, path in (("rollout.reward_fn", recipe.rollout.reward_fn), ("algorithm.loss", loss)):
         if path:
-            _importable(field, path)
+            check_importable(field, path)

@@ -192,7 +192,7 @@ class RolloutDriver(EngineHealth, StalenessControl):
     async def weight_update(self, mode: str, version: Optional[int] = None):
         """Pause the engines for a weight update, yield, then resume under the new version (caches settled).
 
-        The one owner of pause/resume: weight sync never pauses (rollout/weights/sync.py). ``mode`` is
+        The one owner of pause/resume: weight sync never pauses (rollout/weights/base.py). ``mode`` is
         ``weight_sync.pause_mode``. ``version`` is the new weight version; when omitted each engine is
         asked for its own after the update.
         """

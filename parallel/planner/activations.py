@@ -24,7 +24,7 @@ def layer_activation_elems(cfg: dict, moe: bool, layout: ParallelDims, recompute
         return h / tp / layout.cp
     if kernels == "local":
         return _local_layer_elems(cfg, moe, layout, recompute, seq_len or 1)
-    q, kv, out, latent = _attention_dims(cfg)
+    q, kv, out, latent = attention_dims(cfg)
     attn = 2 * h / tp + (q + 2 * kv + out) / tp + latent
     if cfg.get("index_n_heads"):
         attn += cfg["index_n_heads"] * cfg["index_head_dim"] + cfg["index_head_dim"]
@@ -66,7 +66,7 @@ def _local_layer_elems(cfg: dict, moe: bool, layout: ParallelDims, recompute: st
       dense MLPs and shared experts the same without the probability product (5·f).
     """
     h, tp = cfg["hidden_size"], layout.tp
-    q, kv, out, latent = _attention_dims(cfg)
+    q, kv, out, latent = attention_dims(cfg)
     nh = cfg["num_attention_heads"]
     nkv = cfg.get("num_key_value_heads", nh)
     attn = 2 * h / tp + h / tp + (q + kv) / tp + latent          # input norm, qkv input, rotary
@@ -90,7 +90,7 @@ def _local_layer_elems(cfg: dict, moe: bool, layout: ParallelDims, recompute: st
     return (attn + mlp) / layout.cp
 
 
-def _attention_dims(cfg: dict) -> tuple[int, int, int, int]:
+def attention_dims(cfg: dict) -> tuple[int, int, int, int]:
     """(q width, k (= v-side) width, attention output width, replicated latent width) per token."""
     nh = cfg["num_attention_heads"]
     if is_mla(cfg):

@@ -16,7 +16,7 @@ from __future__ import annotations
 from sao_megatron.core.dims import ParallelDims
 
 from ..model_shapes import embedding_params, head_params, is_mla, is_moe_layer
-from .activations import _attention_dims, in_flight_micro_batches
+from .activations import attention_dims, in_flight_micro_batches
 from .layouts import stage_ranges
 from .params import rank_params
 
@@ -52,7 +52,7 @@ def fp8_saved_elems(cfg: dict, moe: bool, layout: ParallelDims) -> tuple[float, 
     `added` is the FP8 copy of the attention output that linear_proj saves while flash attention
     keeps its own bf16 output for its backward."""
     h, tp = cfg["hidden_size"], layout.tp
-    _, _, out, latent = _attention_dims(cfg)
+    _, _, out, latent = attention_dims(cfg)
     replaced = 2 * h / tp + (latent if is_mla(cfg) else 0)
     if moe:
         fm, k = cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]

@@ -106,7 +106,7 @@ def _entries(body: dict, tp: int) -> dict[int, dict]:
 
 async def join_groups(state, request):
     from .http_io import read_json, required, result
-    from .weight_updates import _in_thread, _on_every_rank
+    from .rank_calls import in_thread, on_every_rank
 
     body = await read_json(request)
     if not getattr(state, "shard_writes", False):
@@ -117,13 +117,13 @@ async def join_groups(state, request):
     def join():
         share_with_ranks(state)
         own = by_rank.get(0)
-        mine, _ = _on_every_rank(
+        mine, _ = on_every_rank(
             state, "shard_join", lambda i: (by_rank[i], address, tp, "gloo") if i in by_rank else None,
             lambda: own and join_and_serve(own, address, ShardTarget(state.shard_params, tp, 0), "gloo",
                                            state.weight_sync_timeout_s))
         return mine
     try:
-        group = await _in_thread(state, join)
+        group = await in_thread(state, join)
     except RuntimeError as err:
         return result(False, f"Failed to join shard groups: {err}.")
     state.shard_groups = {**getattr(state, "shard_groups", {}), **{e["group_name"]: None for e in by_rank.values()}}
@@ -135,13 +135,13 @@ async def join_groups(state, request):
 async def destroy_groups(state, request):
     from .http_io import read_json, required, result
     from .weight_group import destroy_weight_update_group
-    from .weight_updates import _in_thread, _on_every_rank
+    from .rank_calls import in_thread, on_every_rank
 
     names = required(await read_json(request), "group_names", list)
     groups = getattr(state, "shard_groups", {})
     own = [groups.pop(n) for n in names if groups.get(n) is not None]
 
     def destroy():
-        _on_every_rank(state, "shard_destroy", lambda i: names, lambda: [destroy_weight_update_group(g) for g in own])
-    await _in_thread(state, destroy)
+        on_every_rank(state, "shard_destroy", lambda i: names, lambda: [destroy_weight_update_group(g) for g in own])
+    await in_thread(state, destroy)
     return result(True, "Succeeded to destroy shard groups.")

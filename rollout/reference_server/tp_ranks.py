@@ -48,12 +48,15 @@ def exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> threading.Thread:
 
 def _serve_rank(conn, timeout_s: float, parent_pid: int) -> None:
     """A child's loop: join / receive / destroy commands from the server, one reply per command."""
+    from rollout.weights.buckets import ReceiveBuffer
+
     from .weight_group import destroy_weight_update_group, init_weight_update_group, receive_tensors
     from .weights import parse_dtype
 
     exit_with_parent(parent_pid)
     groups: dict[str, Any] = {}
     shard: dict[str, Any] = {"groups": {}}   # shard writes (shard_writes.py): shared weights, groups
+    buffer = ReceiveBuffer()                 # every broadcast bucket lands here (reused, grown when needed)
     while True:
         try:
             command, args = conn.recv()
@@ -66,7 +69,8 @@ def _serve_rank(conn, timeout_s: float, parent_pid: int) -> None:
                 reply = ("ok", rank)
             elif command == "receive":
                 names, dtypes, shapes, name, flattened = args
-                received = receive_tensors(names, [parse_dtype(d) for d in dtypes], shapes, groups[name], flattened)
+                received = receive_tensors(names, [parse_dtype(d) for d in dtypes], shapes, groups[name], flattened,
+                                           buffer=buffer)
                 reply = ("ok", digest(received))
             elif command == "destroy":
                 destroy_weight_update_group(groups.pop(args))

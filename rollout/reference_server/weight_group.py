@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import datetime
 import math
+from typing import Optional
 
 import torch
+
+from rollout.weights.buckets import ReceiveBuffer
 
 
 def init_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int,
@@ -60,10 +63,13 @@ def _broadcast(tensor: torch.Tensor, group, what: str) -> None:
 
 
 def receive_tensors(names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]], group,
-                    flattened_bucket: bool, device: torch.device | str = "cpu") -> list[tuple[str, torch.Tensor]]:
+                    flattened_bucket: bool, device: torch.device | str = "cpu",
+                    buffer: Optional[ReceiveBuffer] = None) -> list[tuple[str, torch.Tensor]]:
     """Receive one update call's tensors in the layout above; returns (name, tensor) in order.
 
-    An nccl group receives into `device` (the server's GPU); gloo always receives on the CPU."""
+    An nccl group receives into `device` (the server's GPU); gloo always receives on the CPU. A flattened
+    bucket lands in `buffer` (reused across calls, grown only when needed; the tensors returned are
+    copies, so they outlive it), else in a buffer of its own."""
     import torch.distributed as dist
 
     device = device if dist.get_backend(group) == "nccl" else "cpu"
@@ -79,9 +85,17 @@ def receive_tensors(names: list[str], dtypes: list[torch.dtype], shapes: list[li
             out.append((name, tensor))
         return out
     sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for dtype, shape in zip(dtypes, shapes)]
-    flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    flat = (buffer or ReceiveBuffer()).take(sum(sizes), device)
     _broadcast(flat, group, f"flattened bucket of {len(names)} tensors ({flat.numel()} bytes)")
     return unflatten_bucket(flat, names, dtypes, shapes)
+
+
+def receive_buffer(state) -> ReceiveBuffer:
+    """Rank 0's receive buffer, kept on the server state (every update call runs on its one transfer
+    thread, so one buffer serves them all)."""
+    if getattr(state, "receive_buffer", None) is None:
+        state.receive_buffer = ReceiveBuffer()
+    return state.receive_buffer
 
 
 def flatten_bucket(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -29,8 +29,9 @@ from aiohttp import web
 from .http_io import error, on_scheduler, read_json, required, result
 from . import shard_writes
 from .protocol import BadRequest, parse_optional
+from .rank_calls import in_thread, on_every_rank
 from .tp_ranks import digest
-from .weight_group import destroy_weight_update_group, init_weight_update_group, receive_tensors
+from .weight_group import destroy_weight_update_group, init_weight_update_group, receive_buffer, receive_tensors
 from .weights import UnknownWeightError, parse_dtype, read_safetensors
 
 SELECTORS = ("target", "draft", "all")
@@ -83,28 +84,6 @@ async def end_weight_update(state, request: web.Request) -> web.Response:
     return await state.gate.update(end)
 
 
-def _in_thread(state, fn):
-    return asyncio.get_running_loop().run_in_executor(state.transfer, fn)
-
-
-def _on_every_rank(state, command: str, make_args, own, undo=None):
-    """Start `command` on TP ranks 1.. (children), run `own` as TP rank 0, then collect the children's
-    replies: (own result, [their results]). If a child failed after `own` succeeded, `undo(own result)`."""
-    state.tp_ranks.send(command, make_args)
-    try:
-        mine = own()
-    except BaseException:
-        with contextlib.suppress(RuntimeError):
-            state.tp_ranks.collect()
-        raise
-    try:
-        return mine, state.tp_ranks.collect()
-    except RuntimeError:
-        if undo is not None:
-            undo(mine)
-        raise
-
-
 async def init_group(state, request: web.Request) -> web.Response:
     body = await read_json(request)
     address, port = required(body, "master_address", str), required(body, "master_port", int)
@@ -124,13 +103,13 @@ async def init_group(state, request: web.Request) -> web.Response:
         return result(False, f"Failed to initialize custom process group: group {name!r} already exists.")
 
     def join():   # every TP rank joins at once: the rendezvous waits for all world_size members
-        group, _ = _on_every_rank(state, "join", lambda i: (address, port, rank + i, world, name, "gloo"),
+        group, _ = on_every_rank(state, "join", lambda i: (address, port, rank + i, world, name, "gloo"),
                                   lambda: init_weight_update_group(address, port, rank, world, name, backend,
                                                                    state.weight_sync_timeout_s),
                                   undo=destroy_weight_update_group)
         return group
     try:
-        state.groups[name] = await _in_thread(state, join)
+        state.groups[name] = await in_thread(state, join)
     except RuntimeError as err:
         return result(False, f"Failed to initialize custom process group: {err}.")
     return result(True, "Succeeded to initialize custom process group.")
@@ -142,7 +121,7 @@ async def destroy_group(state, request: web.Request) -> web.Response:
     if group is None:
         return result(False, "The group to be destroyed does not exist.")
 
-    await _in_thread(state, lambda: _on_every_rank(state, "destroy", lambda i: name,
+    await in_thread(state, lambda: on_every_rank(state, "destroy", lambda i: name,
                                                    lambda: destroy_weight_update_group(group)))
     return result(True, "Succeeded to destroy custom process group.")
 
@@ -191,7 +170,7 @@ async def update_from_distributed(state, request: web.Request) -> web.Response:
         if state.session is None:   # weight_updater.py:192-197: refused before any receive
             return result(False, NO_SESSION)
         try:
-            tensors = await _in_thread(state, lambda: _receive_all(state, names, dtypes, shapes, name, load_format))
+            tensors = await in_thread(state, lambda: _receive_all(state, names, dtypes, shapes, name, load_format))
         except (RuntimeError, ValueError) as err:
             return result(False, f"Failed to receive weights: {err}")
         if selector == "draft":     # no draft model here: nothing to load it into (weight_updater.py:218)
@@ -210,10 +189,10 @@ def _receive_all(state, names, dtypes, shapes, group_name, load_format):
         raise RuntimeError("this server is rank 0 of the group, the broadcast's source, so it would receive "
                            "nothing; form the group with rank_offset >= 1. The old weights stay")
     flattened = load_format == "flattened_bucket"
-    tensors, others = _on_every_rank(
+    tensors, others = on_every_rank(
         state, "receive", lambda i: (names, dtypes, shapes, group_name, flattened),
         lambda: receive_tensors(names, [parse_dtype(d) for d in dtypes], shapes, group, flattened,
-                                state.runner.device))
+                                state.runner.device, receive_buffer(state)))
     mine = digest(tensors)
     for tp_rank, theirs in enumerate(others, start=1):
         if theirs != mine:

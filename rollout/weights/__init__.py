@@ -1,26 +1,38 @@
-"""Weight sync: the rollout side's intake of the trainer's weights (docs/weights.md).
+"""Weight update: the trainer's new weights reach the rollout engines (docs/weights.md, docs/weight-transports.md).
 
-The seam is `WeightSync.push(named_tensors, version)` (async), built by `build_weight_sync(cfg, engines)`,
-against engines in the `WeightReceiver` role. The trainer's driver rank holds the update window
-around every push (sao_megatron/trainer/weight_updates.py): the rollout driver pauses and resumes the
-engines (the one owner of pause/resume), `WeightSync.update_session()` opens the engines'
-weight-update session.
+The seam is `WeightSync.push(named_tensors, version)` (async), built by `build_weight_sync(cfg, engines,
+role=...)` against engines in the `WeightReceiver` role. Who sends what is decided once, in plan.py; the
+trainer's driver rank holds the update window around every push (sao_megatron/trainer/weight_updates.py):
+the rollout driver pauses and resumes the engines (the one owner of pause/resume),
+`WeightSync.update_session()` opens the engines' weight-update session.
 
 | module | what |
 |---|---|
+| plan.py | `plan_weight_update`: each trainer rank's `SenderRole` (none, rank 0, stage, share), torch-free |
+| base.py | `WeightSync` (the seam), the engine-facing base classes, `settle_caches`, `sender_address` |
+| broadcast.py | `BroadcastWeightSync` (nccl or gloo): every engine rank receives every byte |
+| shard_writes.py | `ShardWriteSync`: every engine TP rank receives only its slice (shard_plan.py, shard_wire.py) |
+| disk.py | `DiskWeightSync`: HF shards on disk, loaded by every engine |
+| factory.py | `build_weight_sync`: the transport named by weight_sync.method for one role |
+| buckets.py | the flattened-bucket payload and the sender side of a weight-update group |
+| calls.py | labelled concurrent engine calls under one timeout (`run_all`, `PushError`), daemon-thread collectives |
+| fp8_blocks.py, fp8_checkpoint.py | block-FP8 quantization for FP8 engines |
 | receiver.py | `WeightReceiver`: what weight sync needs from an engine (SGLangEngine implements it) |
-| sync.py | `WeightSync`, `BroadcastWeightSync` (nccl or gloo), `DiskWeightSync` (HF shards), `build_weight_sync`, `settle_caches` |
-| buckets.py | the flattened-bucket payload and the sender side of the weight-update group |
-| calls.py | labelled concurrent engine calls under one timeout (`run_all`), daemon-thread collectives, device pinning |
-| check.py | `check_weight_update_equal` (weight_sync.check_equal): engine checksums vs the trainer's |
 | loopback_engine.py | `LoopbackEngine`: a WeightReceiver in a child process (bench, tests) |
+| check.py | `check_weight_update_equal` (weight_sync.check_equal): engine checksums vs the trainer's |
 
 The HF export and the name map stay in checkpoints/ (this package imports them; checkpoints imports
 nothing of rollout: the layers contract in pyproject.toml).
 """
+from .base import WeightSync, settle_caches
+from .broadcast import BroadcastWeightSync
+from .calls import PushError
 from .check import WeightMismatchError, check_weight_update_equal
+from .disk import DiskWeightSync
+from .factory import build_weight_sync
+from .plan import SenderRole, WeightPlan, plan_weight_update
 from .receiver import WeightReceiver
-from .sync import BroadcastWeightSync, DiskWeightSync, WeightSync, build_weight_sync, settle_caches
 
 __all__ = ["WeightReceiver", "WeightSync", "BroadcastWeightSync", "DiskWeightSync", "build_weight_sync",
-           "settle_caches", "check_weight_update_equal", "WeightMismatchError"]
+           "settle_caches", "check_weight_update_equal", "WeightMismatchError", "PushError", "SenderRole",
+           "WeightPlan", "plan_weight_update"]

@@ -29,18 +29,21 @@ async def run_all(calls: dict[str, Awaitable], what: str, timeout_s: float) -> l
         t.cancel()
     if failed:
         label, err = tasks[failed[0]], failed[0].exception()
-        raise step_error(f"{label}: {what} failed: {type(err).__name__}: {err}", [label]) from err
+        raise PushError(f"{label}: {what} failed: {type(err).__name__}: {err}", [label]) from err
     if pending:
         labels = sorted(tasks[t] for t in pending)
-        raise step_error(f"{', '.join(labels)}: {what} did not finish within {timeout_s:.0f}s (dead or hung engine?)",
+        raise PushError(f"{', '.join(labels)}: {what} did not finish within {timeout_s:.0f}s (dead or hung engine?)",
                          labels)
     return [t.result() for t in tasks]
 
 
-def step_error(message: str, parties: list[str]) -> EngineError:
-    err = EngineError(message)
-    err.parties = parties   # who failed or is still waiting (labels of run_all's calls)
-    return err
+class PushError(EngineError):
+    """A step of a weight update failed or timed out; `parties` are the labels of run_all's calls that
+    failed or were still waiting, so a caller can tell a dead engine from its own sender's failure."""
+
+    def __init__(self, message: str, parties: list[str]):
+        super().__init__(message)
+        self.parties = list(parties)
 
 
 def in_daemon_thread(fn, *args) -> asyncio.Future:

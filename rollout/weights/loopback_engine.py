@@ -17,13 +17,15 @@ import torch
 
 from rollout.engine import EngineError
 
+from .buckets import ReceiveBuffer
 from .receiver import WeightReceiver
 
 
 def _child(conn) -> None:
     """Command loop: (op, args) -> ("ok", result) | ("error", message); ends on "exit"."""
     torch.set_num_threads(1)
-    state = {"weights": {}, "version": 0, "group": None, "groups": {}}   # groups by name, as SGLang keeps them
+    # groups by name, as SGLang keeps them; one receive buffer reused by every bucket and raw broadcast
+    state = {"weights": {}, "version": 0, "group": None, "groups": {}, "buffer": ReceiveBuffer()}
     while True:
         op, args = conn.recv()
         try:
@@ -49,7 +51,7 @@ def _join(state, addr, port, rank, world, group_name, backend):
 def _receive(state, names, dtypes, shapes, version, keep, group_name):
     dts = [getattr(torch, d) for d in dtypes]
     sizes = [math.prod(s) * torch.empty((), dtype=d).element_size() for d, s in zip(dts, shapes)]
-    flat = torch.empty(sum(sizes), dtype=torch.uint8)
+    flat = state["buffer"].take(sum(sizes))
     torch.distributed.broadcast(flat, src=0, group=state["groups"][group_name])
     offset = 0
     for name, dt, shape, size in zip(names, dts, shapes, sizes):
@@ -61,7 +63,7 @@ def _receive(state, names, dtypes, shapes, version, keep, group_name):
 
 
 def _receive_raw(state, nbytes, chunk, group_name=None):
-    flat = torch.empty(nbytes, dtype=torch.uint8)
+    flat = state["buffer"].take(nbytes)
     group = state["group"] if group_name is None else state["groups"][group_name]
     for start in range(0, nbytes, chunk):
         torch.distributed.broadcast(flat[start:start + chunk], src=0, group=group)
@@ -110,7 +112,7 @@ def _shard_join(state, entry, address, backend):
 def _receive_p2p(state, group_name, sizes):
     """The raw baseline of shard writes: plain receives of these sizes from group rank 0."""
     for size in sizes:
-        torch.distributed.recv(torch.empty(size, dtype=torch.uint8), src=0, group=state["groups"][group_name])
+        torch.distributed.recv(state["buffer"].take(size), src=0, group=state["groups"][group_name])
 
 
 _OPS = {"join": _join, "shard_join": _shard_join, "receive_p2p": _receive_p2p, "receive": _receive,

@@ -75,7 +75,7 @@ class WeightReceiver(abc.ABC):
         raise EngineError(f"engine {self.name}: {type(self).__name__} does not implement update_weight_version")
 
     async def join_shard_groups(self, master_address: str, groups: list[dict]) -> None:
-        """Shard writes (rollout/weights/sharded.py): each listed TP rank joins its sender's group. Not
+        """Shard writes (rollout/weights/shard_writes.py): each listed TP rank joins its sender's group. Not
         an SGLang route: only the reference server with --shard-writes answers it."""
         raise EngineError(f"engine {self.name}: {type(self).__name__} does not take shard writes")
 

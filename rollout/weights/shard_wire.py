@@ -18,8 +18,11 @@ from __future__ import annotations
 import datetime
 import json
 import threading
+from typing import Optional
 
 import torch
+
+from .buckets import ReceiveBuffer
 
 BUCKET, END, CLOSE = 1, 2, 3
 # A rank waits for the next push as long as registered memory would: between pushes the trainer trains.
@@ -64,13 +67,15 @@ def recv_ack(src: int, group) -> tuple[bool, int, str]:
     return bool(ok), nbytes, message
 
 
-def recv_message(group) -> tuple[int, dict | None, torch.Tensor | None]:
-    """The engine rank's side: the next (kind, meta, payload) from group rank 0."""
+def recv_message(group, buffer: Optional[ReceiveBuffer] = None) -> tuple[int, dict | None, torch.Tensor | None]:
+    """The engine rank's side: the next (kind, meta, payload) from group rank 0; the payload lands in
+    `buffer` (reused: valid until the next message) when given."""
     kind, meta_len, payload_len = _recv(torch.empty(3, dtype=torch.int64), 0, group).tolist()
     if kind != BUCKET:
         return kind, None, None
     meta = json.loads(bytes(_recv(torch.empty(meta_len, dtype=torch.uint8), 0, group).numpy()).decode())
-    return kind, meta, _recv(torch.empty(payload_len, dtype=torch.uint8), 0, group)
+    payload = buffer.take(payload_len) if buffer is not None else torch.empty(payload_len, dtype=torch.uint8)
+    return kind, meta, _recv(payload, 0, group)
 
 
 def send_ack(ok: bool, nbytes: int, message: str, group) -> None:
@@ -83,9 +88,10 @@ def send_ack(ok: bool, nbytes: int, message: str, group) -> None:
 def serve(group, target) -> None:
     """The rank's passive loop: apply buckets, ack each END, stop at CLOSE or when the group breaks."""
     received, error = 0, ""
+    buffer = ReceiveBuffer()   # every bucket lands here; target.apply copies each slice out
     while True:
         try:
-            kind, meta, payload = recv_message(group)
+            kind, meta, payload = recv_message(group, buffer)
         except Exception:   # noqa: BLE001 - the sender's side fails and names this rank
             return
         if kind == CLOSE:

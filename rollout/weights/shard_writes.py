@@ -35,12 +35,12 @@ from rollout.engine import EngineError
 from sao_megatron.core.backends import resolve_backend
 from sao_megatron.core.ports import free_port
 
+from .base import SessionSync, engine_ranks, sender_address
 from .buckets import Bucket, create_sender_group
 from .calls import in_daemon_thread, payload_device, pinned, run_all
 from .receiver import WeightReceiver
 from .shard_plan import shard_of
 from .shard_wire import CLOSE, END, recv_ack, send_bucket, send_control
-from .sync import _engine_ranks, _SessionSync, sender_address
 
 QUEUE_DEPTH = 2     # buckets a lane may have sliced ahead of its wire (sender_budget.SHARD_QUEUED counts them + 1)
 
@@ -168,12 +168,12 @@ class _Lane:
             send_control(CLOSE, j + 1, self.group)
 
 
-class ShardWriteSync(_SessionSync):
+class ShardWriteSync(SessionSync):
     def __init__(self, cfg, engines: list[WeightReceiver], *, ranks_per_engine: int | Sequence[int] = 1,
                  senders: Optional[int] = None, master_address: Optional[str] = None,
-                 dtype: Optional[torch.dtype] = None):
+                 dtype: Optional[torch.dtype] = None, labels_versions: bool = True):
         super().__init__(cfg, engines, dtype)
-        self.engine_ranks = _engine_ranks(ranks_per_engine, len(self.engines))
+        self.engine_ranks = engine_ranks(ranks_per_engine, len(self.engines))
         targets = [Target(i, e.name, r, tp) for i, (e, tp) in enumerate(zip(self.engines, self.engine_ranks))
                    for r in range(tp)]
         targets = [replace(t, slot=k) for k, t in enumerate(targets)]
@@ -190,9 +190,9 @@ class ShardWriteSync(_SessionSync):
         self.connected = False
         self.bytes_sent = 0
         self.received: dict[tuple[str, int], int] = {}   # (engine, tp_rank) -> bytes it acked, last push
-        # One of several senders (every trainer rank sends its share, trainer/weight_updates.py): the
-        # version is labelled once, by the driver rank after every rank's push landed (label_version).
-        self.labels_versions = True
+        # One of several senders (every trainer rank sends its share, plan.py): the version is labelled
+        # once, by the driver rank after every rank's push landed (label_version).
+        self.labels_versions = labels_versions
 
     def _entries(self, engine: int) -> list[dict]:
         return [{"tp_rank": t.rank, "master_port": lane.port, "group_name": lane.group_name, "group_rank": j + 1,

@@ -82,8 +82,8 @@ async def build_components(recipe: Recipe, rank: int = 0, world_size: int = 1) -
         if debug == "none":
             from .weight_updates import build_weight_updates
 
-            weights = build_weight_updates(recipe, policy, engines, driver, rank, world_size)
-            weights.restarts = restarts   # every rank's sender regroups after a restart (weight_updates.py)
+            # restarts: every rank's sender regroups after an engine restart (weight_updates.py)
+            weights = build_weight_updates(recipe, policy, engines, driver, rank, world_size, restarts)
             for client in weights.engines:   # a stage's or an owner's sender on another rank has its own clients
                 if not any(client is engine for engine in engines or ()):
                     stack.push_async_callback(client.close)

@@ -53,7 +53,7 @@ def chain_sft(recipe: Recipe) -> Recipe:
 
 def sft_from_recipe(recipe: Recipe) -> int:
     """Entry point of `sao sft`: one rank in-process, or `parallel.world_size` ranks under torchrun."""
-    from .entry import lock_if_first_rank, prepare_run_dir
+    from .run_dir import lock_if_first_rank, prepare_run_dir
 
     check_sft_data(recipe)
     lock_if_first_rank(recipe)
@@ -222,9 +222,12 @@ def _is_done(recipe: Recipe, out: Path) -> bool:
 
 
 def _my_share(batches):
-    from .loop import _my_share as share
+    """The micro-batches this data-parallel rank trains on (as the RL loop shares them)."""
+    from parallel.distributed import data_parallel_coords
 
-    return share(batches)
+    from .batching import shard_for_data_parallel
+
+    return shard_for_data_parallel(batches, *data_parallel_coords())
 
 
 def _seed(seed: int) -> None:

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from sao_megatron.core.config import Recipe
+
+if TYPE_CHECKING:
+    from rollout.weights.plan import SenderRole, WeightPlan
 
 
 class NoWeightUpdates:
@@ -26,11 +29,13 @@ class WeightUpdates:
     """This rank's part in every weight update: the driver rank (rank 0) owns the window (pause the
     engines through `driver`, one session per engine), the senders push, every rank gathers."""
 
-    def __init__(self, recipe: Recipe, policy, engines: list, driver, sender, rank: int = 0, world_size: int = 1):
+    def __init__(self, recipe: Recipe, policy, engines: list, driver, sender, rank: int = 0, world_size: int = 1,
+                 plan: Optional[WeightPlan] = None, restarts=None):
         self.recipe, self.policy, self.engines, self.driver = recipe, policy, engines, driver
         self.weight_sync = sender            # None on ranks that do not send
-        self.restarts = None                 # engine_restarts.EngineRestarts on the driver rank, if any
+        self.restarts = restarts             # engine_restarts.EngineRestarts on the driver rank, if any
         self.rank, self.world_size, self.is_driver = rank, world_size, rank == 0
+        self.plan = plan or plan_for(recipe, world_size)
         self.restarts_seen = 0               # engine restarts this rank's sender has formed its group after
 
     async def sync(self, version: int) -> dict:
@@ -113,19 +118,16 @@ class WeightUpdates:
         the same reason). After each turn the ranks agree that it landed, so a failed push fails
         every rank instead of a hang, and the driver closes the sessions only after the last stage.
         """
-        if rank_senders(self.recipe, self.world_size):
-            # shard writes land in each engine rank's memory, one-sided: no engine blocks in a receive,
-            # so every rank sends its share at once, and the driver labels the version after all
-            await self._push_turn(self.policy.export_hf(scope="shares"), version)
-            await self._label_turn(version)
-        elif not per_stage_senders(self.recipe, self.world_size):
-            await self._push_turn(self.policy.export_hf(scope="all"), version)
+        role = self.plan.role(self.rank)   # its export scope and stage (rollout/weights/plan.py)
+        if self.plan.turns == "per_stage":
+            for stage in range(self.plan.pp):
+                await self._push_turn(self.policy.export_hf(scope=role.scope) if stage == role.stage else None, version)
         else:
-            from parallel.distributed import pipeline_stage_group
-
-            my_stage = pipeline_stage_group()[0]
-            for stage in range(self.recipe.parallel.pp):
-                await self._push_turn(self.policy.export_hf(scope="stage") if stage == my_stage else None, version)
+            await self._push_turn(self.policy.export_hf(scope=role.scope), version)
+        if self.plan.turns == "shares":
+            # shard writes land in each engine rank's memory, one-sided: no engine blocks in a receive,
+            # so every rank sent its share at once; the driver labels the version after all landed
+            await self._label_turn(version)
         if self.recipe.weight_sync.check_equal:
             from rollout.weights import check_weight_update_equal
 
@@ -167,28 +169,27 @@ class WeightUpdates:
             _all_pushes_landed(error, self.rank)
 
 
-def rank_senders(recipe: Recipe, world_size: int) -> bool:
-    """Shard writes from a multi-rank trainer: every rank sends, from the tensors its TP group gathered,
-    its share of the engine ranks (parallel/weights.py, scope "shares"); nothing is gathered to rank 0
-    and a tensor every engine rank needs leaves from all its holders at once (docs/weights.md)."""
-    return world_size > 1 and recipe.weight_sync.method == "shard_writes"
+def plan_for(recipe: Recipe, world_size: int) -> WeightPlan:
+    """The run's weight-update plan (rollout/weights/plan.py): every rank's sender role, decided once."""
+    from rollout.weights.plan import plan_from_recipe
+
+    return plan_from_recipe(recipe, world_size)
 
 
-def per_stage_senders(recipe: Recipe, world_size: int) -> bool:
-    """Each pipeline stage's first rank broadcasts its own layers (weight_sync.senders = per_stage)."""
-    ws = recipe.weight_sync
-    return world_size > 1 and recipe.parallel.pp > 1 and ws.method == "broadcast" and ws.senders == "per_stage"
+def build_weight_updates(recipe: Recipe, policy, engines: list, driver, rank: int, world_size: int,
+                         restarts=None) -> WeightUpdates:
+    """This rank's part as the plan gives it: a sender to the engines when its role sends (the driver
+    rank's own clients; another sender's clients to the driver rank's engine URLs), else none."""
+    plan = plan_for(recipe, world_size)
+    role = plan.role(rank)
+    if plan.shares_endpoints:   # a collective: every rank takes part, sender or not
+        endpoints = _shared_endpoints(engines, rank)
+        if role.sends and rank != 0:
+            from .engines import engine_clients
 
-
-def build_weight_updates(recipe: Recipe, policy, engines: list, driver, rank: int, world_size: int) -> WeightUpdates:
-    """Rank 0 sends to `engines`; with per-stage senders every other stage's first rank sends too, and
-    with shard writes every rank does."""
-    sender = new_weight_sync(recipe, engines, stage=0) if rank == 0 else None
-    if rank_senders(recipe, world_size):
-        engines, sender = _rank_sender(recipe, engines, sender, rank)
-    elif per_stage_senders(recipe, world_size):
-        engines, sender = _stage_sender(recipe, engines, sender, rank)
-    return WeightUpdates(recipe, policy, engines, driver, sender, rank, world_size)
+            engines = engine_clients(recipe, endpoints["urls"], endpoints["api_key"])
+    sender = new_weight_sync(recipe, engines, role) if role.sends else None
+    return WeightUpdates(recipe, policy, engines, driver, sender, rank, world_size, plan, restarts)
 
 
 def _shared_endpoints(engines: list, rank: int) -> dict:
@@ -200,45 +201,18 @@ def _shared_endpoints(engines: list, rank: int) -> dict:
     return box[0]
 
 
-def _rank_sender(recipe: Recipe, engines: list, sender, rank: int):
-    """Every rank gets a shard-writes sender to the same engines (rank 0 keeps its own); none of them
-    labels the version (the driver does, after all landed). Returns this rank's (engines, sender)."""
-    from .engines import engine_clients
-
-    endpoints = _shared_endpoints(engines, rank)
-    if rank != 0:
-        engines = engine_clients(recipe, endpoints["urls"], endpoints["api_key"])
-        sender = new_weight_sync(recipe, engines, stage=0)
-    sender.labels_versions = False
-    return engines, sender
-
-
-def _stage_sender(recipe: Recipe, engines: list, sender, rank: int):
-    """Rank 0 shares the engines' endpoints; a later stage's first rank builds its own sender (group
-    `sao_weights_pp<stage>_...`) to the same engines. Returns this rank's (engines, sender)."""
-    from parallel.distributed import pipeline_stage_group
-
-    from .engines import engine_clients
-
-    endpoints = _shared_endpoints(engines, rank)
-    stage, _, index = pipeline_stage_group()
-    if rank == 0 or index != 0:
-        return engines, sender
-    engines = engine_clients(recipe, endpoints["urls"], endpoints["api_key"])
-    return engines, new_weight_sync(recipe, engines, stage=stage)
-
-
-def new_weight_sync(recipe: Recipe, engines: list, stage: int):
-    """A sender to every engine; the driver rank owns the update window (the push never pauses)."""
+def new_weight_sync(recipe: Recipe, engines: list, role: Optional[SenderRole] = None):
+    """A sender to every engine in `role` (default: the lone driver-rank sender); the driver rank owns
+    the update window (the push never pauses)."""
     from rollout.weights import build_weight_sync
+    from rollout.weights.factory import DRIVER
 
     from .engines import engine_fp8_layout
 
-    extra = {"aux_from": recipe.model.path} if recipe.weight_sync.method == "disk" else {"stage": stage}
-    if recipe.rollout.engine_fp8:   # FP8 engines take 128x128 FP8 blocks + scales (rollout/weights/fp8_blocks.py)
-        extra["fp8"] = engine_fp8_layout(recipe)
-    return build_weight_sync(recipe.weight_sync, engines, run_dir=recipe.run_dir,
-                             ranks_per_engine=recipe.rollout.engine_tp, **extra)
+    # FP8 engines take 128x128 FP8 blocks + scales (rollout/weights/fp8_blocks.py)
+    fp8 = engine_fp8_layout(recipe) if recipe.rollout.engine_fp8 else None
+    return build_weight_sync(recipe.weight_sync, engines, run_dir=recipe.run_dir, role=role or DRIVER,
+                             ranks_per_engine=recipe.rollout.engine_tp, fp8=fp8, aux_from=recipe.model.path)
 
 
 def _all_pushes_landed(error: Optional[BaseException], rank: int) -> None:

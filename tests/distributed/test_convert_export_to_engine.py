@@ -32,7 +32,7 @@ async def _sync_and_sample(named, url: str, api_key: str):
     from rollout.engine import GenerateRequest
     from rollout.sglang_client import SGLangEngine
     from rollout.weights.check import check_weight_update_equal
-    from rollout.weights.sync import BroadcastWeightSync
+    from rollout.weights import BroadcastWeightSync
     from sao_megatron.core.config import WeightSyncConfig
 
     engine = SGLangEngine(url, api_key=api_key, name="ref-0", control_timeout_s=60, weight_timeout_s=120)

@@ -84,8 +84,7 @@ async def _scenario(recipe, policy: StagePolicy, rank: int) -> dict:
         engines, handles = await start_engines(recipe, recipe.run_dir)
         restarts = EngineRestarts(recipe, engines, handles, NoDriver(), recipe.run_dir)
         restarts.start()
-    weights = build_weight_updates(recipe, policy, engines, None, rank, 2)
-    weights.restarts = restarts
+    weights = build_weight_updates(recipe, policy, engines, None, rank, 2, restarts)
     try:
         policy.scale = SCALES[1]
         await weights.after_resume(1)                # both stages push; check_equal compares every tensor

@@ -13,7 +13,7 @@ import torch
 
 from rollout.weights.buckets import Bucket
 from rollout.weights.shard_plan import bytes_per_rank, shard_of
-from rollout.weights.sharded import flatten_slices
+from rollout.weights.shard_writes import flatten_slices
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +38,7 @@ def test_gpu_slices_flatten_to_the_same_bytes_as_on_the_cpu(payload):
 def test_gloo_lanes_from_gpu_tensors_write_each_rank_its_slice():
     from bench.weight_sync import synthetic_moe
     from rollout.weights.loopback_engine import LoopbackShardEngine
-    from rollout.weights.sharded import ShardWriteSync
+    from rollout.weights.shard_writes import ShardWriteSync
     from sao_megatron.core.config import WeightSyncConfig
 
     named = [(n, t.cuda()) for n, t in synthetic_moe(8)]

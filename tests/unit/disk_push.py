@@ -14,7 +14,7 @@ def disk_push_peak(model_dir, out_dir, monkeypatch, bucket_mb: float, fp8=None, 
 
     import checkpoints.hf_io as hf_io
     from rollout.weights.loopback_engine import LoopbackEngine
-    from rollout.weights.sync import DiskWeightSync
+    from rollout.weights import DiskWeightSync
     from sao_megatron.core.config import WeightSyncConfig
 
     hf = load_file(f"{model_dir}/model.safetensors")

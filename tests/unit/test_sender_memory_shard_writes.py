@@ -27,7 +27,7 @@ def test_shard_writes_sender_peak_stays_within_the_bound(bucket_mb, tiny_model_d
     of a 2.0 MB model, two lanes, one engine of TP 2 (twelve 0.1 MiB buckets are most of this model)."""
     from safetensors.torch import load_file
 
-    from rollout.weights import calls, sharded
+    from rollout.weights import calls, shard_writes as sharded
     from rollout.weights.loopback_engine import LoopbackShardEngine
     from rollout.weights.shard_plan import bytes_per_rank
     from sao_megatron.core.config import WeightSyncConfig

@@ -20,7 +20,7 @@ from checkpoints.hf_io import HFCheckpoint
 from rollout.engine import EngineError
 from rollout.sglang_client import SGLangEngine
 from rollout.weights.check import WeightMismatchError, check_weight_update_equal
-from rollout.weights.sync import BroadcastWeightSync
+from rollout.weights import BroadcastWeightSync
 from sao_megatron.core.config import WeightSyncConfig
 
 

@@ -31,7 +31,7 @@ def _push_peak(model_dir: str, bucket_mb: float) -> dict:
     from parallel import layout_check as lc
     from parallel.distributed import teardown_model_parallel
     from parallel.rl_model import RLModel
-    from rollout.weights import calls, sync as sync_module
+    from rollout.weights import broadcast as sync_module, calls
     from rollout.weights.check import check_weight_update_equal
     from rollout.weights.loopback_engine import LoopbackEngine
     from sao_megatron.core.config import WeightSyncConfig

@@ -9,7 +9,8 @@ import torch
 from rollout.engine import EngineError
 from rollout.weights.buckets import Bucket, iter_buckets
 from rollout.weights.check import WeightMismatchError, check_weight_update_equal
-from rollout.weights.sync import BroadcastWeightSync, DiskWeightSync, build_weight_sync, non_expert_first
+from rollout.weights import BroadcastWeightSync, DiskWeightSync, build_weight_sync
+from rollout.weights.broadcast import non_expert_first
 from sao_megatron.core.config import WeightSyncConfig
 
 from weight_sync_fakes import FakeEngine, run_then_close
@@ -210,7 +211,8 @@ def test_unknown_method_no_engines_and_nccl_without_gpu_refused():
 def test_sender_address_is_loopback_for_local_engines_and_routable_otherwise(monkeypatch):
     from types import SimpleNamespace
 
-    from rollout.weights.sync import run_all, sender_address
+    from rollout.weights.base import sender_address
+    from rollout.weights.calls import run_all
 
     monkeypatch.delenv("SAO_WEIGHT_SYNC_ADDR", raising=False)
     local = [SimpleNamespace(url="http://127.0.0.1:30000"), SimpleNamespace(url="http://localhost:30001")]

@@ -19,7 +19,7 @@ from checkpoints.hf_io import HFCheckpoint
 from rollout.engine import EngineError, GenerateRequest
 from rollout.weights.check import WeightMismatchError, check_weight_update_equal
 from rollout.weights.fp8_blocks import Fp8Layout, quantize_stream, round_trip_stream
-from rollout.weights.sync import BroadcastWeightSync
+from rollout.weights import BroadcastWeightSync
 from sao_megatron.core.config import WeightSyncConfig
 
 from test_weight_sync_reference_server import _engine, _hf_logprobs, _new_weights
@@ -114,7 +114,7 @@ def test_4_fp8_push_lands_exactly_and_serves_the_trainers_fp8_logprobs(fp8_serve
 def test_5_disk_sync_writes_fp8_shards_the_server_loads_as_blocks(fp8_server, tiny_model_dir, tmp_path):
     from safetensors import safe_open
 
-    from rollout.weights.sync import DiskWeightSync
+    from rollout.weights import DiskWeightSync
 
     named = _new_weights(tiny_model_dir, 0.02)
 

@@ -15,7 +15,7 @@ import torch
 from checkpoints.hf_io import HFCheckpoint
 from rollout.engine import EngineError, GenerateRequest
 from rollout.weights.check import check_weight_update_equal
-from rollout.weights.sync import BroadcastWeightSync, DiskWeightSync
+from rollout.weights import BroadcastWeightSync, DiskWeightSync
 from sao_megatron.core.config import WeightSyncConfig
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rollout.engine import EngineError
-from rollout.weights import calls as engine_calls, sync as weight_sync
-from rollout.weights.sync import BroadcastWeightSync
+from rollout.weights import broadcast as weight_sync, calls as engine_calls
+from rollout.weights import BroadcastWeightSync
 from sao_megatron.core.config import WeightSyncConfig
 
 from weight_sync_fakes import FakeEngine, run_then_close

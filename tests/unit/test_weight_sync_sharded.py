@@ -18,7 +18,7 @@ from checkpoints.hf_io import HFCheckpoint
 from rollout.engine import EngineError
 from rollout.weights.check import check_weight_update_equal
 from rollout.weights.shard_plan import COLUMN, REPLICATED, ROW, VOCAB, bytes_per_rank, rank_slice, split_kind
-from rollout.weights.sharded import ShardWriteSync, flatten_slices
+from rollout.weights.shard_writes import ShardWriteSync, flatten_slices
 from sao_megatron.core.config import WeightSyncConfig
 
 
@@ -131,7 +131,7 @@ def test_refusals_and_failed_exports_are_named_and_the_next_push_lands(tiny_mode
     """A sender that sends whole tensors (a broadcast's bytes) to a TP-2 rank: the rank writes nothing of
     them and its ack names the first tensor, so the push fails naming the engine and the rank. An export
     that breaks mid-stream fails the push naming the export. The next push after both lands."""
-    import rollout.weights.sharded as sharded
+    import rollout.weights.shard_writes as sharded
 
     slicer = sharded.shard_of
     server = _launch(tiny_model_dir, "--tp", "2", "--shard-writes")
@@ -201,7 +201,7 @@ def test_shard_writes_with_sglang_engines_is_refused_naming_the_field():
 def test_a_holder_sends_only_the_engine_ranks_dealt_to_it():
     """With n ranks holding a tensor, holder i serves the engine rank slots equal to i mod n; a tensor one
     rank holds goes to every slot; each slot gets its own slice (engine TP 2: q_proj rows split)."""
-    from rollout.weights.sharded import Target, _Lane
+    from rollout.weights.shard_writes import Target, _Lane
 
     lane = _Lane(0, [Target(e, f"e{e}", r, 2, slot=2 * e + r) for e in range(2) for r in range(2)])
     lane.start_push(1 << 20, 5.0)

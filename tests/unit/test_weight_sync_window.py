@@ -16,7 +16,9 @@ from rollout.driver import RolloutDriver
 from rollout.prompts import build_prompt_source
 from rollout.rewards import resolve_reward_fn
 from rollout.scripted_engine import ScriptedEngine as FakeEngine
+from rollout.weights.plan import SenderRole, plan_weight_update
 from sao_megatron.core.config.schema import RolloutConfig
+from sao_megatron.core.dims import ParallelDims
 from sao_megatron.trainer.weight_updates import WeightUpdates, new_weight_sync
 
 TOK = build_tokenizer()
@@ -61,7 +63,8 @@ def _window(engines, driver, mode="in_place", fail=False, rank=0, world_size=1, 
     recipe = SimpleNamespace(weight_sync=SimpleNamespace(pause_mode=mode, timeout_s=30.0, check_equal=False,
                                                          method="broadcast", senders="per_stage"),
                              parallel=SimpleNamespace(pp=1), run=SimpleNamespace(debug="none"))
-    return WeightUpdates(recipe, policy, engines, driver, sender or SessionSync(engines, fail), rank, world_size)
+    plan = plan_weight_update(ParallelDims(dp=world_size), recipe.weight_sync, len(engines), 1)
+    return WeightUpdates(recipe, policy, engines, driver, sender or SessionSync(engines, fail), rank, world_size, plan)
 
 
 @pytest.mark.parametrize("mode, flushed", [("in_place", False), ("retract", True), ("abort", True)])
@@ -182,7 +185,7 @@ def test_engines_are_built_from_the_recipe(tiny_model_dir, tmp_path, monkeypatch
 
     clients = engines_mod.engine_clients(recipe, ["http://127.0.0.1:1", "http://127.0.0.1:2"], "k")
     assert [(c.moe_topk, c.num_layers) for c in clients] == [(2, 4), (2, 4)]
-    sync = new_weight_sync(recipe, clients, stage=1)
+    sync = new_weight_sync(recipe, clients, SenderRole(rank=2, kind="stage", scope="stage", stage=1))
     assert sync.engine_ranks == [2, 2] and sync.rank_offsets() == [1, 3] and sync.stage == 1
 
 

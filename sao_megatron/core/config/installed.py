@@ -26,12 +26,13 @@ def check_installed(recipe) -> None:
     check_model_presets(recipe.model)
     if rollout.task and not rollout.dataset:
         check_task("rollout.task", rollout.task)
-    for name, path in (("rollout.reward_fn", rollout.reward_fn), ("algorithm.loss", _custom(recipe.algorithm.loss)),
-                       ("rollout.generate_fn", rollout.generate_fn), ("rollout.agent", _custom(rollout.agent))):
+    for name, path in (("rollout.reward_fn", rollout.reward_fn),
+                       ("algorithm.loss", custom_import_path(recipe.algorithm.loss)),
+                       ("rollout.generate_fn", rollout.generate_fn), ("rollout.agent", custom_import_path(rollout.agent))):
         if path:
-            _importable(name, path)
+            check_importable(name, path)
     for scheme, path in recipe.eval.agentic_evals.items():
-        _importable(f"eval.agentic_evals.{scheme}", path)
+        check_importable(f"eval.agentic_evals.{scheme}", path)
     for source in recipe.eval.datasets:
         check_eval_source(source, recipe.eval.agentic_evals)
     check_resume_path(recipe.checkpoint.resume)
@@ -109,7 +110,7 @@ def check_package(field: str, package: str, fix: str) -> None:
         raise ConfigError(field, f"needs the {package!r} package, which is not installed", fix)
 
 
-def _importable(field: str, path: str) -> None:
+def check_importable(field: str, path: str) -> None:
     try:
         resolve_import_path(path, field, want_callable=True)
     except ValueError as err:
@@ -117,5 +118,5 @@ def _importable(field: str, path: str) -> None:
         raise ConfigError(field, problem.removeprefix(f"{field}: "), fix or "check the import path") from None
 
 
-def _custom(loss: str) -> str:
+def custom_import_path(loss: str) -> str:
     return loss if ":" in loss else ""

@@ -6,11 +6,11 @@ first HF name, so beyond its own shards a broadcast sender holds at most
 - buffers: the two reused flat payloads (one on the wire, one being flattened), each of
   max(bucket, largest tensor): a tensor above the bucket travels alone;
 - buckets: the bucket being filled (max(bucket, largest tensor)) and one held-back run of routed-expert
-  tensors (at most one bucket: rollout/weights/sync.py non_expert_first);
+  tensors (at most one bucket: rollout/weights/broadcast.py non_expert_first);
 - gather: the tensor being gathered, twice (its TP pieces and the merged tensor, or the merged tensor
   and its HF parts: q/k/v, gate/up), plus the HF tensors of the one before still waiting for their turn.
 The other senders stream the same export and hold instead
-- shard_writes (rollout/weights/sharded.py): per lane two flat buffers and three buckets of slices (two
+- shard_writes (rollout/weights/shard_writes.py): per lane two flat buffers and three buckets of slices (two
   queued, one being flattened), plus one pending bucket per engine TP rank; a slice is copied out of
   its tensor, so a pending bucket never pins a whole gathered tensor;
 - disk (DiskWeightSync): the shard being filled, of weight_sync.bucket_mb (safetensors >= 0.8 writes
