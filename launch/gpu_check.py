@@ -11,6 +11,9 @@ gpu-pytest.log under $OUT (else build/gpu_check). It passes
 only if no test failed and each of the kit's REQUIRED checks passed: a kit whose checks all skipped
 is a failure, not a pass. `--dry-run` needs no GPU: it installs the wheels for the device's Python
 into a scratch directory, probes, and collects the GPU tests without running them.
+
+The speed probe (tests/gpu/test_speed_probe.py, not REQUIRED: it records, it does not judge) writes
+speed-probe.json under the same out dir; gpu-check.json carries it as "speed_probe" (null when it did not run).
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ REQUIRED = {
     "tests/gpu/test_cuda_glm5_dsa.py::test_glm5_trainer_replays_the_cuda_servers_routes_and_selections":
         "tiny GLM-5 (MLA + DSA) on CUDA: trainer replays the server's routes and indexer selections",
 }
+SPEED_PROBE = "speed-probe.json"   # the trainer vs HF train tokens/s and TFLOP/s (bench/speed_probe.py)
 PROBE = """
 import importlib, importlib.metadata as md, json, sys
 out = {"python": sys.version.split()[0], "missing": []}
@@ -212,6 +216,14 @@ def run_gpu_tests(args, env: dict, out: Path) -> tuple[dict[str, dict], int, boo
     return (collected_nodes(log) if args.dry_run else junit_outcomes(junit)), code, timed_out
 
 
+def speed_probe(out: Path) -> dict | None:
+    """The speed probe's record from this run's out dir, or None (not run, e.g. a dry run, or unreadable)."""
+    try:
+        return json.loads((out / SPEED_PROBE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def cmd_wheels(args) -> int:
     gw.build_wheelhouse(Path(args.dest), cap_mib=args.cap_mib, python_version=args.python_version,
                         dry_run=args.dry_run)
@@ -244,12 +256,13 @@ def _run_in(site: Path, wheels: list[gw.Wheel], wheel_dir: Path, python_version:
     if not args.dry_run and not facts["cuda_available"]:
         raise RuntimeError("no CUDA GPU visible (torch.cuda.is_available() is False); run on a GPU machine, "
                            "or add --dry-run to check the kit here")
+    (out / SPEED_PROBE).unlink(missing_ok=True)   # an earlier run's record must not pass for this one's
     tests, code, timed_out = run_gpu_tests(args, env, out)
     ok, line = verdict(tests, args.dry_run, timed_out, code)
     summary = {"ok": ok, "verdict": line, "mode": "dry-run" if args.dry_run else "run", "env": facts,
                "wheels": [w.file for w in wheels], "project_install": project_error or "ok",
                "seconds": round(time.monotonic() - start, 1),
-               "pytest_exit": code, "required": REQUIRED, "tests": tests}
+               "pytest_exit": code, "required": REQUIRED, "tests": tests, "speed_probe": speed_probe(out)}
     (out / "gpu-check.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"gpu-check: {'PASS' if ok else 'FAIL'}: {line} ({summary['seconds']}s; summary {out / 'gpu-check.json'})")
     return 0 if ok else 1

@@ -101,8 +101,9 @@ class ParallelConfig:
                                          "least one whole sequence, (max_prompt_len + max_new_tokens) / cp.",
                                    bounds=">= 16")
     pack_sequences: bool = doc(True, "Micro-batches hold samples back to back without padding (THD under "
-                                     "Transformer Engine, block-diagonal masks on CPU); micro_batch_tokens then "
-                                     "counts real tokens. Not with cp > 1.")
+                                     "Transformer Engine, block-diagonal masks on CPU, where the masked attention "
+                                     "over the whole row can cost more than the padding saved: sao bench packing); "
+                                     "micro_batch_tokens then counts real tokens. Not with cp > 1.")
     dispatcher: Literal["alltoall", "allgather", "flex"] = doc(
         "alltoall", "MoE token dispatcher; flex = DeepEP (GPU, deep_ep installed, tp*ep > 1).")
     distributed_optimizer: bool = doc(False, "Megatron distributed optimizer (GPU).")
