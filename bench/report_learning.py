@@ -121,11 +121,15 @@ def _lr_sweep_text(r: dict) -> str:
     sweep = r.get("lr_sweep")
     if not sweep:
         return ""
-    parts = [f"{arm}: " + ", ".join(f"{lr:g} -> {acc:.3f}" for lr, acc in sorted(v["heldout"].items(),
-                                                                           key=lambda x: float(x[0])))
-             + f" (chosen {v['chosen']:g})" for arm, v in sweep.items()]
-    return ("Learning rate per arm, chosen by held-out accuracy (eval prompts disjoint from the training "
-            "prompts) over a sweep on seeds not used above: " + "; ".join(parts) + ".")
+    parts = [f"{arm}: " + ", ".join(f"{float(lr):g} -> {acc:.3f}" for lr, acc in sorted(v["heldout"].items(),
+                                                                                  key=lambda x: float(x[0])))
+             + f" (chosen {v['chosen']:g}, by {_SCORES.get(v['score'], v['score'])})" for arm, v in sweep.items()]
+    return ("Learning rate per arm, chosen over a sweep on seeds not used above (mean over "
+            f"{len(next(iter(sweep.values()))['seeds'])} sweep seeds): " + "; ".join(parts) + ".")
+
+
+_SCORES = {"heldout_acc": "held-out accuracy, eval prompts disjoint from the training prompts",
+           "final_acc": "final training accuracy: the task has no disjoint held-out split"}
 
 
 def failures_text(r: dict) -> str:

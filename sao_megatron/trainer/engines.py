@@ -41,6 +41,14 @@ async def start_engines(recipe: Recipe, run_dir: Path):
 FP8_MODEL_TYPES = ("qwen3_moe", "glm4_moe", "glm_moe_dsa", "deepseek_v3")
 
 
+def engine_weight_dtype(recipe: Recipe):
+    """The dtype weight sync casts to (None: as the trainer holds them): a bf16 reference engine refuses fp32
+    tensors (rollout.engine_dtype)."""
+    import torch
+
+    return torch.bfloat16 if recipe.rollout.engine_dtype == "bf16" else None
+
+
 def engine_model_path(recipe: Recipe) -> str:
     """The checkpoint the engines load: rollout.engine_model_path, else model.path."""
     return recipe.rollout.engine_model_path or str(recipe.model.path)

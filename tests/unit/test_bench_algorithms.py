@@ -75,6 +75,12 @@ def test_the_full_design_sweeps_the_lr_on_held_out_prompts_then_runs_fresh_seeds
     ppo_clip = fake_runs["scratch_4-sao_ppo_clip-s1"]
     assert "algorithm.loss='ppo'" in ppo_clip and "critic.warmup_steps=10" in ppo_clip     # same critic as SAO
     assert "run.num_steps=310" in fake_runs["scratch_4-running_mean-s1"]                   # warm-up given as steps
+    from bench.report_learning import algorithms_section
+
+    text = algorithms_section(dict(result, full=True), lambda *a: "")
+    assert "scratch:4/sao: 0.0001 -> 0.500, 0.0003 -> 0.500, 0.001 -> 0.499 (chosen 0.0003, by held-out" in text
+    assert "| sao_ppo_clip |" in text and "| sao - sao_ppo_clip | 10 / 10 |" in text
+    assert "held-out accuracy (task:scratch:4:eval)" in text and "not yet run at full size" not in text
 
 
 def test_the_agent_task_runs_on_the_agent_recipe_from_its_own_sft_start(tmp_path, fake_runs, monkeypatch):

@@ -64,3 +64,23 @@ def test_the_engine_dtype_is_a_reference_engine_field_refused_elsewhere():
     RolloutConfig(task="chain:1:1", engine_dtype="bf16").check("rollout")
     with pytest.raises(Exception, match="engine_dtype"):
         RolloutConfig(task="chain:1:1", engine="sglang", engine_dtype="bf16").check("rollout")
+
+
+def test_a_bf16_engine_is_started_with_dtype_bf16_and_weight_sync_casts_to_it(monkeypatch, tmp_path):
+    import torch
+
+    import rollout.reference_server as reference_server
+    from sao_megatron.core.config.recipe import Recipe
+    from sao_megatron.trainer import engines
+
+    started = {}
+    monkeypatch.setattr(reference_server, "launch_local", lambda *a, **kw: started.update(kw) or "server")
+    monkeypatch.setattr(engines, "_has_indexer", lambda recipe: False)
+    recipe = Recipe()
+    recipe.model.path = str(tmp_path)
+    assert engines.engine_weight_dtype(recipe) is None
+    recipe.rollout.engine_dtype = "bf16"
+    assert engines._launch_engine(recipe, 0, "key", tmp_path) == "server"
+    args = started["extra_args"]
+    assert args[args.index("--dtype") + 1] == "bf16"
+    assert engines.engine_weight_dtype(recipe) is torch.bfloat16
