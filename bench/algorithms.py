@@ -65,7 +65,9 @@ EVAL_K, EVAL_PROBLEMS = 4, 64
 def task_setup(task: str, quick: bool = False) -> dict:
     """How a task runs: recipe, overrides for SFT and RL, its held-out eval set ('' = none)."""
     if task == "agent":
-        return {"recipe": AGENT_RECIPE, "sft": [], "rl": [], "eval": "", "start": "sft_start_agent"}
+        # absolute: `sao sft` runs inside the out dir, where the recipe's relative path does not resolve
+        return {"recipe": AGENT_RECIPE, "sft": [f"sft.dataset='{REPO / 'data' / 'agent' / 'tool_sft.jsonl'}'"],
+                "rl": [], "eval": "", "start": "sft_start_agent"}
     if task.startswith("scratch"):
         rl = [f"rollout.task='{task}'", "rollout.max_new_tokens=48"]
         eval_every, problems = (1, 8) if quick else (25, EVAL_PROBLEMS)
