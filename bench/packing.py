@@ -95,6 +95,7 @@ def run(quick: bool = False, out_dir: Optional[Path] = None) -> dict:
               "ratio_packed_vs_padded": modes["packed"]["tokens_per_s"] / modes["padded"]["tokens_per_s"]}
     result["summary"] = _summary(result)
     if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
         _plot(result, Path(out_dir) / "packing.png")
     return result
 
