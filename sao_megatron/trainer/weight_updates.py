@@ -207,12 +207,13 @@ def new_weight_sync(recipe: Recipe, engines: list, role: Optional[SenderRole] = 
     from rollout.weights import build_weight_sync
     from rollout.weights.factory import DRIVER
 
-    from .engines import engine_fp8_layout
+    from .engines import engine_fp8_layout, engine_weight_dtype
 
     # FP8 engines take 128x128 FP8 blocks + scales (rollout/weights/fp8_blocks.py)
     fp8 = engine_fp8_layout(recipe) if recipe.rollout.engine_fp8 else None
     return build_weight_sync(recipe.weight_sync, engines, run_dir=recipe.run_dir, role=role or DRIVER,
-                             ranks_per_engine=recipe.rollout.engine_tp, fp8=fp8, aux_from=recipe.model.path)
+                             ranks_per_engine=recipe.rollout.engine_tp, fp8=fp8, aux_from=recipe.model.path,
+                             dtype=engine_weight_dtype(recipe))   # bf16 engines take bf16 tensors only
 
 
 def _all_pushes_landed(error: Optional[BaseException], rank: int) -> None:
