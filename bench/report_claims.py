@@ -59,14 +59,15 @@ def claims_section(results: dict) -> str:
         rows.append(_online_row(online))
     if not rows:
         return ""
-    corrected = holm([r["p"] for r in rows])
-    table = [[r["claim"], r["figure"], r["measured"], _p(r["p"]), _p(p), _verdict(r, p)]
-             for r, p in zip(rows, corrected)]
+    tested = [r for r in rows if r["p"] is not None]
+    corrected = dict(zip(map(id, tested), holm([r["p"] for r in tested])))
+    table = [[r["claim"], r["figure"], r["measured"], _p(r["p"]), _p(corrected.get(id(r))),
+              _verdict(r, corrected.get(id(r)))] for r in rows]
     return "\n\n".join([
         "**The SAO paper's claims, as this miniature tests them.** The seed is the unit. Each row is one test "
         "(a difference in means: Welch's t-test and a permutation test, p = the larger of the two; a gain "
         "against 0: one-sample t and an exact sign-flip test; collapse: a log-rank test of times to collapse, or "
-        f"Fisher's exact test of counts). Holm's correction runs over all {len(rows)} rows; supports / refutes "
+        f"Fisher's exact test of counts). Holm's correction runs over all {len(tested)} tested rows; supports / refutes "
         f"only when the corrected p < {ALPHA}, else cannot tell. Intervals: Welch / Student-t 95%; g = Hedges' g "
         "with its approximate 95% interval. The sections below give the numbers.",
         md_table(["claim", "the paper's figure", "measured (the first minus the second)", "p", "p, Holm", "verdict"],
@@ -77,13 +78,12 @@ def _usable(result: Optional[dict], key: str = "table") -> Optional[dict]:
     return result if result and not result.get("quick") and key in result else None
 
 
-def _p(p: float) -> str:
+def _p(p: float | None) -> str:
     return "n/a" if p is None or math.isnan(p) else f"{p:.3f}"
 
 
-def _verdict(row: dict, p_corrected: float) -> str:
-    said = verdict({"n": 1, "mean": row["direction"]}, p_corrected)
-    return said
+def _verdict(row: dict, p_corrected: float | None) -> str:
+    return verdict({"n": 1, "mean": row["direction"]}, p_corrected)
 
 
 def per_seed(algos: dict, task: str, algo: str, key: str = "final_acc") -> Optional[list]:
@@ -109,6 +109,11 @@ def _algorithm_rows(algos: Optional[dict]) -> list[dict]:
                 first, second = key.split("-")
                 a, b = per_seed(algos, task, first), per_seed(algos, task, second)
                 if a is None or b is None:
+                    missing = second if a is not None else first
+                    rows.append({"claim": claim, "figure": figure, "p": None, "direction": 0.0,
+                                 "measured": f"`{missing}` is not in this file's `{task}` runs: the `--full` "
+                                             "design runs it (bench/algorithms.py TASKS_FULL); not yet run at "
+                                             "full size"})
                     continue
                 test = compare(a, b)
                 measured = f"final accuracy {first} - {second} on `{task}`: {test_text(test)}"
