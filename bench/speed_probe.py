@@ -119,7 +119,8 @@ def measure(model_dir: str, steps: int = 3, dtype: str = "bf16", n: int = 64, ma
     samples = long_tailed_samples(n, max_response)
     tokens = sum(s.num_tokens for s in samples)
     flops = 3 * SpeedMeter(json.loads((Path(model_dir) / "config.json").read_text()), 1).forward_flops(samples)
-    seconds = run_distributed_test(_rank, world_size=1, timeout_s=1800, args=(model_dir, samples, budget, steps, dtype))[0]
+    seconds = run_distributed_test(_rank, world_size=1, timeout_s=1800,
+                                   args=(model_dir, samples, budget, steps, dtype))[0]
     seconds["hf"] = hf_seconds(model_dir, samples, budget, steps, dtype)
     out = {"model": str(model_dir), "dtype": dtype, "samples": n, "tokens_per_step": tokens, "budget": budget,
            "timed_steps": steps, "flops_per_step": flops,

@@ -64,9 +64,11 @@ class RLModel:
             raise ValueError(f"RLModel role {role!r}; use one of {', '.join(ROLES)}")
         _refuse_gpu_only_options(recipe)
         hf = model_build.read_hf_config(recipe.model.path)
-        if recipe.parallel.pack_sequences and hf.get("index_topk") and specs.use_transformer_engine(recipe.model.transformer_impl):
-            raise ValueError("parallel.pack_sequences with a DSA model on Transformer Engine: our sparse attention takes "
-                             "no THD input (packing runs on the local spec only); fix: set parallel.pack_sequences = false")
+        te = specs.use_transformer_engine(recipe.model.transformer_impl)
+        if recipe.parallel.pack_sequences and hf.get("index_topk") and te:
+            raise ValueError("parallel.pack_sequences with a DSA model on Transformer Engine: our sparse attention "
+                             "takes no THD input (packing runs on the local spec only); fix: set "
+                             "parallel.pack_sequences = false")
         dims = _setup_groups(recipe, specs.arch_shape(hf))
         dtype = torch.bfloat16 if recipe.model.dtype == "bf16" else torch.float32
         config = specs.transformer_config(hf, dims, dtype=dtype, dispatcher=recipe.parallel.dispatcher,
