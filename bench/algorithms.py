@@ -118,7 +118,9 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
         tasks: Optional[list[str]] = None, jobs: int = 1) -> dict:
     """quick: scratch:4 with its held-out eval, SAO and running_mean, 1 seed of 2 steps from a 2-step SFT;
     default: chain:1:1, 5 arms x 5 seeds x 100 policy steps (about 20 min on 2 CPU cores with jobs=2);
-    full: TASKS_FULL, every arm, lr sweep, 10 seeds x 300 steps, bf16 engine (hours; not run yet).
+    full: TASKS_FULL, every arm, lr sweep, 10 seeds x 300 steps, bf16 engine: 2 tasks x 7 arms x (3 lrs x 2
+    sweep seeds + 10 seeds) = 224 runs, roughly a day on 2 CPU cores with jobs=2 (the default's 100-step runs
+    took about 130 s each, two at a time); `--tasks scratch:4` and `--tasks agent` split it. Not run yet.
 
     `tasks` runs only those tasks (same sizes) and keeps the other tasks' rows of an existing
     out_dir/algorithms.json measured with the same steps and seeds."""
