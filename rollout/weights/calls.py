@@ -1,9 +1,10 @@
 """Calls to several engines at once for weight sync: labelled, under one timeout, failures named.
 
-`run_all` awaits labelled calls together and raises `EngineError` naming the first that failed, or
-every one still waiting at the timeout. An engine that refuses at once (HTTP 400: no session, a wrong
-name) therefore fails the step at once, even while the sender's side of a broadcast is still blocked:
-that blocking collective runs in a daemon thread (`in_daemon_thread`) that nobody waits for.
+`run_all` awaits labelled calls together and raises `PushError` (an EngineError) naming the first that
+failed, or every one still waiting at the timeout, with their labels in `parties`. An engine that refuses
+at once (HTTP 400: no session, a wrong name) therefore fails the step at once, even while the sender's
+side of a broadcast is still blocked: that blocking collective runs in a daemon thread
+(`in_daemon_thread`) that nobody waits for.
 `pinned` runs a function in a worker thread on an explicit CUDA device, because the current CUDA
 device is per thread and a new thread starts on cuda:0.
 """
