@@ -57,7 +57,7 @@ def stability_section(r: dict, link) -> str:
         runs = v["runs"]
         gains = [peak_gain(x) for x in runs]
         rows.append([algo, f"{sum(g > threshold for g in gains)} of {len(runs)}",
-                     seed_ci({"per_seed": {"x": gains}}, "x")["mean"].__format__(".3f"),
+                     f"{seed_ci({'per_seed': {'x': gains}}, 'x')['mean']:.3f}",
                      f"{v['collapsed']} of {len(runs)}", ", ".join(_kinds(x) for x in runs if x["collapsed"]) or "-",
                      _ci(runs, "final_acc"), _ci(runs, "max_acc_drop"),
                      f"{statistics.fmean(x['grad_norm_spikes'] for x in runs):.1f}",

@@ -84,3 +84,23 @@ def test_a_bf16_engine_is_started_with_dtype_bf16_and_weight_sync_casts_to_it(mo
     args = started["extra_args"]
     assert args[args.index("--dtype") + 1] == "bf16"
     assert engines.engine_weight_dtype(recipe) is torch.bfloat16
+
+
+def test_the_online_report_compares_auc_after_the_first_phase_per_seed_and_counts_reachable_phases():
+    from bench.online import REACHABLE, _auc_row
+    from bench.report_learning import phase_auc_text
+
+    def runs(shift):    # 5 seeds x 3 phases; later phases' AUC rise with the seed index
+        return [[{"phase": "1:digits", "auc": 0.9, "start": 0.1},
+                 {"phase": "2:capitals", "auc": 0.2 + shift + 0.01 * i, "start": 0.01 if i == 0 else 0.1},
+                 {"phase": "3:punctuation", "auc": 0.4 + shift + 0.01 * i, "start": 0.2}] for i in range(5)]
+
+    sao, base = _auc_row(runs(0.3)), _auc_row(runs(0.0))
+    assert sao["auc_per_seed"] == pytest.approx([0.6 + 0.01 * i for i in range(5)])   # mean of phases 2 and 3
+    assert sao["reachable"] == {"1:digits": 5, "2:capitals": 4, "3:punctuation": 5}    # seed 0 started at 0.01
+    text = phase_auc_text({"sao": sao, "running_mean": base}, REACHABLE)
+    assert "| sao: reachable at its start (level >= 0.05), seeds | 5 of 5 | 4 of 5 | 5 of 5 |  |" in text
+    # unpaired seeds: each group's variance 0.00025, se = 0.01, Welch df 8, t(0.975, 8) = 2.306; the groups
+    # do not overlap, so 2 of the C(10, 5) = 252 relabelings are as extreme: p = 0.008
+    assert "| sao - running_mean | 5 / 5 | 0.300 [0.277, 0.323] | 0.000 | 0.008 (exact, 252) |" in text
+    assert "| first higher |" in text
