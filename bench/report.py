@@ -138,4 +138,9 @@ def _section(name: str, title: str, result: Optional[dict], body, link) -> str:
         provenance += f" Code: commit {result['commit']}."
     if result.get("note"):
         provenance += f" Note: {result['note']}."
-    return "\n\n".join([head, provenance, body(result, link).strip()])
+    try:
+        text = body(result, link).strip()
+    except KeyError as err:   # one stale file must not stop the whole report: say what it lacks instead
+        text = (f"Not rendered: `{name}.json` has no field {err} that this section reads now (the file predates "
+                f"the section's current form); rerun `sao bench {name}`.")
+    return "\n\n".join([head, provenance, text])

@@ -260,3 +260,11 @@ def test_the_pipeline_section_separates_asynchrony_from_single_rollouts_when_the
                 async_group={"samples_per_s": 20.0})
     text = pipeline_section(both, None)
     assert "= 2.00x (asynchrony alone)" in text and "= 2.00x (single rollouts alone)" in text
+
+
+def test_a_stale_file_is_named_in_its_section_and_the_rest_of_the_report_still_renders(tmp_path):
+    (tmp_path / "pipeline.json").write_text(json.dumps({k: v for k, v in PIPELINE.items()
+                                                         if k != "speedup_samples_per_s"}))
+    text = render(tmp_path, tmp_path / "results.md")
+    assert "Not rendered: `pipeline.json` has no field 'speedup_samples_per_s'" in text
+    assert "rerun `sao bench pipeline`" in text and "## Parallel layouts" in text
