@@ -5,7 +5,7 @@ gives every trainer rank its `SenderRole`; sao_megatron/trainer/weight_updates.p
 deciding on its own, and build_weight_sync (factory.py) takes the role as it is. Torch-free: `sao plan`
 and the recipe check can read it without a process group.
 
-The roles (docs/weights.md, "Who sends"):
+The roles (docs/weights.md, section 2, "Pipeline parallelism" and "Shard writes in a multi-rank run"):
 - rank0: the driver rank gathers every stage's tensors and sends them (one sender: weight_sync.senders =
   driver, or pp = 1, or a single-rank trainer); export scope "all".
 - stage: with broadcast and weight_sync.senders = per_stage (pp > 1), each stage's first rank sends its
