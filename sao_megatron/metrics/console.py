@@ -16,7 +16,7 @@ import time
 import warnings
 from typing import Optional
 
-from .sinks import MetricSink, _to_float
+from .seam import MetricSink, to_float
 
 # The text of Megatron-Core 0.16.1's warnings when TE/Apex are absent ("Transformer Engine and Apex are not
 # installed. Falling back to ...", "Apex is not installed. Falling back to Torch Norm").
@@ -102,10 +102,10 @@ class ConsoleSink(MetricSink):
 
     def log(self, metrics, step):
         for key in self.SUMMARY:
-            value = _to_float(metrics.get(key))
+            value = to_float(metrics.get(key))
             if value is not None:
                 self.history[key].append(value)
-        step_time = _to_float(metrics.get("perf/step_time_s"))
+        step_time = to_float(metrics.get("perf/step_time_s"))
         if step_time is not None and step > 0:
             self.step_times.append(step_time)
         line = self.line(metrics, step)
@@ -121,7 +121,7 @@ class ConsoleSink(MetricSink):
         filled = int(width * done / self.total)
         parts = [f"[{'#' * filled}{'.' * (width - filled)}] {step}/{self.total}"]
         for key, label, fmt in self.KEYS:
-            value = _to_float(metrics.get(key))
+            value = to_float(metrics.get(key))
             if value is not None:
                 parts.append(f"{label} {fmt.format(value)}")
         left = self.seconds_left(step)

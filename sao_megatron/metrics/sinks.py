@@ -7,33 +7,14 @@ rollout/response_len, rollout/staleness_mean, perf/step_time_s, ...
 """
 from __future__ import annotations
 
-import abc
 import json
-import math
 import os
 import time
 from pathlib import Path
 from typing import Any
 
-
-def _to_float(value: Any):
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        return None
-    return value if math.isfinite(value) else None
-
-
-class MetricSink(abc.ABC):
-    @abc.abstractmethod
-    def log(self, metrics: dict[str, Any], step: int) -> None: ...
-
-    def close(self) -> None:
-        pass
-
-    @property
-    def run_id(self) -> str:
-        return ""
+from .console import ConsoleSink   # rich on a terminal, plain lines elsewhere
+from .seam import MetricSink, to_float
 
 
 class JsonlSink(MetricSink):
@@ -48,7 +29,7 @@ class JsonlSink(MetricSink):
     def log(self, metrics, step):
         row = {"step": step, "time": time.time()}
         for key, value in metrics.items():
-            number = _to_float(value)
+            number = to_float(value)
             row[key] = number if number is not None else (value if isinstance(value, str) else None)
         self._file.write(json.dumps(row) + "\n")
 
@@ -79,7 +60,7 @@ class WandbSink(MetricSink):
         self.mode = mode
 
     def log(self, metrics, step):
-        clean = {k: v for k, v in ((k, _to_float(v)) for k, v in metrics.items()) if v is not None}
+        clean = {k: v for k, v in ((k, to_float(v)) for k, v in metrics.items()) if v is not None}
         self._run.log(clean, step=step)
 
     @property
@@ -123,7 +104,3 @@ def build_metric_sink(logging_cfg, run_name: str, run_dir: Path, total_steps: in
     if logging_cfg.console:
         sinks.append(ConsoleSink(total_steps))
     return MultiSink(sinks)
-
-
-# The console sink (rich on a terminal, plain lines elsewhere) builds on MetricSink above.
-from .console import ConsoleSink  # noqa: E402

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .sinks import MetricSink, _to_float
+from .seam import MetricSink, to_float
 
 
 class TensorBoardSink(MetricSink):
@@ -32,7 +32,7 @@ class TensorBoardSink(MetricSink):
         if self._writer is None:
             self._writer = self._open(step)
         for key, value in metrics.items():
-            number = _to_float(value)
+            number = to_float(value)
             if number is not None:
                 self._writer.add_scalar(key, number, global_step=step)
         self._writer.flush()   # a crashed run keeps every step logged so far

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 from sao_megatron.core.config import Recipe
 
-from .engines import _launch_engine
+from .engines import launch_engine
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class EngineRestarts:
         try:
             await asyncio.to_thread(old.stop)   # what the dead server forked may still hold the GPU and port
             port = urlsplit(old.url).port
-            handle = await asyncio.to_thread(_launch_engine, self.recipe, index, self.api_keys[name],
+            handle = await asyncio.to_thread(launch_engine, self.recipe, index, self.api_keys[name],
                                              self.run_dir, port)
             self.slots[name] = (index, handle)
             self.restarts.append(name)   # the next weight update regroups every sender (weight_updates.py)

@@ -21,7 +21,7 @@ async def start_engines(recipe: Recipe, run_dir: Path):
     if not urls:
         try:
             for index in range(rollout.num_engines):
-                handle = _launch_engine(recipe, index, api_key, run_dir)
+                handle = launch_engine(recipe, index, api_key, run_dir)
                 handles.append(handle)
                 urls.append(handle.url)
         except BaseException:
@@ -125,7 +125,7 @@ def engine_clients(recipe: Recipe, urls: list[str], api_key: str) -> list:
                          **shape) for i, url in enumerate(urls)]
 
 
-def _launch_engine(recipe: Recipe, index: int, api_key: str, run_dir: Path, port: int | None = None):
+def launch_engine(recipe: Recipe, index: int, api_key: str, run_dir: Path, port: int | None = None):
     """Engine `index` on `port` (a restart passes the old one, so its client keeps working)."""
     rollout = recipe.rollout
     if port is None:

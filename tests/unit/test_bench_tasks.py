@@ -80,7 +80,7 @@ def test_a_bf16_engine_is_started_with_dtype_bf16_and_weight_sync_casts_to_it(mo
     recipe.model.path = str(tmp_path)
     assert engines.engine_weight_dtype(recipe) is None
     recipe.rollout.engine_dtype = "bf16"
-    assert engines._launch_engine(recipe, 0, "key", tmp_path) == "server"
+    assert engines.launch_engine(recipe, 0, "key", tmp_path) == "server"
     args = started["extra_args"]
     assert args[args.index("--dtype") + 1] == "bf16"
     assert engines.engine_weight_dtype(recipe) is torch.bfloat16

@@ -12,17 +12,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 ROOTS = ("sao_megatron", "parallel", "rollout", "checkpoints", "launch", "bench")
-# Each entry names who owns the fix; an entry that no longer occurs fails the test (so the list only shrinks).
-KNOWN_PRIVATE = {
-    # trainer/engines.py is being reworked (recipe -> SGLang arguments, issue 29 point 5): rename it there
-    ("sao_megatron.trainer.engine_restarts", "sao_megatron.trainer.engines", "_launch_engine"),
-    # the metrics sinks' float coercion: sinks.py re-exports ConsoleSink, which imports it back (one circle)
-    ("sao_megatron.metrics.console", "sao_megatron.metrics.sinks", "_to_float"),
-    ("sao_megatron.metrics.tensorboard", "sao_megatron.metrics.sinks", "_to_float"),
-}
-KNOWN_CIRCLES = {
-    frozenset({"sao_megatron.metrics.console", "sao_megatron.metrics.sinks", "sao_megatron.metrics.tensorboard"}),
-}
 
 
 def _modules(root: Path = REPO, roots=ROOTS) -> dict[str, Path]:
@@ -101,15 +90,13 @@ def circles(edges: dict[str, set[str]]) -> list[frozenset[str]]:
 
 
 def test_no_import_circle():
-    found = set(circles(import_graph()[0]))
-    assert found - KNOWN_CIRCLES == set(), f"import circles: {[sorted(c) for c in found - KNOWN_CIRCLES]}"
-    assert KNOWN_CIRCLES <= found, f"fixed, drop from KNOWN_CIRCLES: {[sorted(c) for c in KNOWN_CIRCLES - found]}"
+    found = circles(import_graph()[0])
+    assert not found, f"import circles (modules that import each other): {[sorted(c) for c in found]}"
 
 
 def test_no_private_name_imported_across_modules():
     private = import_graph()[1]
-    assert private - KNOWN_PRIVATE == set(), f"private names imported across modules: {sorted(private - KNOWN_PRIVATE)}"
-    assert KNOWN_PRIVATE <= private, f"fixed, drop from KNOWN_PRIVATE: {sorted(KNOWN_PRIVATE - private)}"
+    assert not private, f"(importer, module, private name): {sorted(private)}; make the name public or move it"
 
 
 def test_the_walk_finds_a_lazy_circle_and_a_private_import(tmp_path):

@@ -178,9 +178,9 @@ def test_engines_are_built_from_the_recipe(tiny_model_dir, tmp_path, monkeypatch
     launched = []
     monkeypatch.setattr(reference_server, "launch_local", lambda *a, **kw: launched.append(kw.get("extra_args")))
     recipe = load_recipe(None, [f"model.path='{tiny_model_dir}'", "rollout.engine_tp=2"])
-    engines_mod._launch_engine(recipe, 0, "k", tmp_path)
+    engines_mod.launch_engine(recipe, 0, "k", tmp_path)
     recipe_tp1 = load_recipe(None, [f"model.path='{tiny_model_dir}'"])
-    engines_mod._launch_engine(recipe_tp1, 1, "k", tmp_path)
+    engines_mod.launch_engine(recipe_tp1, 1, "k", tmp_path)
     assert launched == [["--tp", "2"], None]
 
     clients = engines_mod.engine_clients(recipe, ["http://127.0.0.1:1", "http://127.0.0.1:2"], "k")
