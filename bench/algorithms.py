@@ -76,7 +76,7 @@ def task_setup(task: str, quick: bool = False) -> dict:
                 "rl": [], "eval": "", "start": "sft_start_agent"}
     if task.startswith("scratch"):
         rl = [f"rollout.task='{task}'", "rollout.max_new_tokens=48"]
-        eval_every, problems = (1, 8) if quick else (25, EVAL_PROBLEMS)
+        eval_every, problems = (3, 8) if quick else (25, EVAL_PROBLEMS)   # quick: once, at its last step
         return {"recipe": SFT_DEMO, "sft": [f"rollout.task='{task}'"], "eval": f"task:{task}:eval",
                 "rl": rl + [f"eval.datasets=['task:{task}:eval']", f"eval.interval={eval_every}",
                             f"eval.k={EVAL_K}", f"eval.max_problems={problems}"],
