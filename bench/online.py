@@ -23,11 +23,14 @@ level (mean of its first WINDOW steps after the left-out one); a phase is reacha
 level is at least REACHABLE. The seed is the unit: `auc_per_seed` is a seed's mean AUC over every phase
 after the first, which the report compares between methods (Welch and permutation tests, bench/stats.py).
 
---full (not run yet: hours on 2 CPU cores): 10 seeds, 5 phases of 40 steps (digits, capitals,
-punctuation, then back to digits and capitals), from random init (recipes/tiny_moe_cpu.toml) rather than
-the SFT start: the SFT model already answers in digits (phase 1 free) and never finds capitals (phase 2
-unreachable), while a random-init policy scores each class's share of the vocabulary (about 0.1-0.3).
-Whether each phase really is reachable at its start is measured (reachable per phase), not assumed.
+--full (not run yet: about 2 h on 2 CPU cores with jobs=2): 10 seeds, 4 phases of 40 steps (digits,
+capitals, punctuation, then back to digits), from random init (recipes/tiny_moe_cpu.toml) rather than the
+SFT start: the SFT model already answers in digits (phase 1 free) and never finds capitals (phase 2
+unreachable). Whether each phase is reachable at its start is measured (reachable per phase), not assumed.
+One check of this design (SAO, seed 1, 2026-12-04; 5 phases): phase starts 0.12, 0.009, 0.035, 0.031 and
+0.0; phases 2-4 were still learned within the phase (back to 80% of the level before the switch after
+37, 36 and 26 steps), but a fifth phase (capitals again, after digits at 0.996) stayed at 0.0, hence 4
+phases. The starts are below the 5% the issue asks for: expect 'reachable' to count few seeds.
 """
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ METHODS = {
 WINDOW = 5
 RECOVERY_FRACTION = 0.8
 REACHABLE = 0.05            # a phase's start level at least this: the policy sees the new reward at all
-FULL_SEEDS, FULL_PHASES, FULL_SWITCH_EVERY = list(range(1, 11)), 5, 40
+FULL_SEEDS, FULL_PHASES, FULL_SWITCH_EVERY = list(range(1, 11)), 4, 40
 
 
 def phase_segments(rows: list[dict], num_rules: int) -> list[tuple[int, list[float]]]:
@@ -99,7 +102,7 @@ def phase_auc(rows: list[dict], rules: tuple) -> list[dict]:
 
 def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False, jobs: int = 1) -> dict:
     """quick: SAO, 2 phases of 1 step from a 2-step SFT; default: 3 methods, 5 seeds, 3 phases of 40
-    steps from the SFT start (about 15 min on 2 CPU cores with jobs=2); full: 10 seeds, 5 phases of 40
+    steps from the SFT start (about 15 min on 2 CPU cores with jobs=2); full: 10 seeds, 4 phases of 40
     steps from random init (hours)."""
     from rollout.environments import DEFAULT_RULES
 

@@ -194,9 +194,9 @@ def online_section(r: dict, link) -> str:
     out.append(failures_text(r))
     out.append(_online_verdict(table, seeds))
     if not r.get("full"):
-        out.append("The `--full` version (10 seeds, 5 phases including returns to the first rule, each phase "
-                   "reachable at its start, per-phase reward AUC with the seed as the unit; see bench/online.py): "
-                   f"{NOT_RUN}.")
+        out.append("The `--full` version (10 seeds from random init, 4 phases ending with a return to the first "
+                   "rule, each phase's start level measured, per-phase reward AUC with the seed as the unit; see "
+                   f"bench/online.py): {NOT_RUN}.")
     return "\n\n".join(x for x in out if x)
 
 
