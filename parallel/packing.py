@@ -117,14 +117,12 @@ class PackedLayout:
     first `lengths[r]` positions back to back in one row, then padding up to `width` (a multiple of
     packing.seq_multiple), which forms a segment of its own so no real token ever attends to it.
 
-    Two forms of the same thing: under Transformer Engine, THD with cu_seqlens (Megatron's PackedSeqParams;
-    RoPE then restarts per sample inside Megatron, rope_utils' thd path); on the local spec a block-diagonal
-    causal attention mask [1, 1, W, W] (Megatron's convention: True = masked out), which the local
-    DotProductAttention uses whenever a mask is given (fusions/fused_softmax.py forward_torch_softmax builds a
-    causal mask only when none is). GPTModel ignores position_ids for RoPE (gpt_model.py:361-368 builds the
-    rotary table from the sequence length; only learned-absolute and mrope embeddings read position_ids), so on
-    the local spec sample r sees positions start_r..: RoPE scores depend only on position differences, so
-    attention equals the padded path's up to rounding.
+    Two forms of the same thing (RLModel.packed_form picks one per model): THD with cu_seqlens (Megatron's
+    PackedSeqParams; Attention applies RoPE per sample from cu_seqlens and the core attention, TE's or
+    parallel/packed_attention.py's, attends within each segment), or, for MLA on the local spec, a
+    block-diagonal causal attention mask [1, 1, W, W] (Megatron's convention: True = masked out) that
+    parallel/mla_attention.py applies; there RoPE sees positions start_r.. (GPTModel ignores position_ids for
+    RoPE, gpt_model.py:361-368), equal up to rounding because RoPE scores depend on position differences.
     """
 
     def __init__(self, lengths: list[int], seq_multiple: int = 1):

@@ -47,8 +47,11 @@ class RLModel:
         self.seq_multiple = seq_multiple(dims.tp, dims.sequence_parallel, dims.cp, recipe.model.fp8)
         self.cp = ContextParallel.from_megatron()
         self.temperature = recipe.rollout.temperature   # pi is the engine's sampling distribution
-        # packed micro-batches: THD under Transformer Engine, a block-diagonal mask on the local spec
-        self.packed_form = "thd" if specs.use_transformer_engine(recipe.model.transformer_impl) else "mask"
+        # packed micro-batches: THD (per-sample attention: TE's, or packed_attention.py's on the local spec),
+        # except MLA on the local spec, whose core attention (mla_attention.py) takes a block-diagonal mask
+        local_mla = bool(getattr(config, "multi_latent_attention", False)) and \
+            not specs.use_transformer_engine(recipe.model.transformer_impl)
+        self.packed_form = "mask" if local_mla else "thd"
         self.replayer = RouteReplayer([c.module for c in chunks], config.num_layers,
                                       self.shape.top_k, dims.sequence_parallel)
         self.indexers = IndexerReplayer([c.module for c in chunks], config.num_layers,

@@ -8,7 +8,8 @@ parallel/fusions.py.
 Local (torch) layer specs on CPU, Transformer Engine specs on GPU: ``use_transformer_engine`` is the
 single place that chooses. Multi-latent attention (GLM-5, DeepSeek-V3) runs our core attention
 (parallel/mla_attention.py) on the local spec, where Megatron's DotProductAttention cannot take a q/k
-head wider than the v head, and in every DSA layer on either spec (TE has no sparse attention).
+head wider than the v head, and in every DSA layer on either spec (TE has no sparse attention). Other local
+layers get parallel/packed_attention.py's core attention, which adds packed (THD) input to Megatron's.
 """
 from __future__ import annotations
 
@@ -128,7 +129,24 @@ def layer_spec(config, impl: str = "auto", vp_stage: Optional[int] = None):
                                        normalization="RMSNorm", vp_stage=vp_stage)
     if getattr(config, "multi_latent_attention", False):
         _use_mla_core_attention(block, config, use_te, vp_stage)
+    elif not use_te:
+        _use_packed_core_attention(block)
     return block
+
+
+def _use_packed_core_attention(block) -> None:
+    """The local core attention with THD input (parallel/packed_attention.py) in every layer: packed
+    micro-batches then attend per sample; padded ones run Megatron's DotProductAttention unchanged."""
+    import copy
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from .packed_attention import PackedDotProductAttention
+
+    for i, spec in enumerate(block.layer_specs):
+        spec = block.layer_specs[i] = copy.deepcopy(spec)
+        attention = spec.submodules.self_attention.submodules
+        attention.core_attention = ModuleSpec(module=PackedDotProductAttention)
 
 
 def _use_mla_core_attention(block, config, use_te: bool, vp_stage: Optional[int]) -> None:

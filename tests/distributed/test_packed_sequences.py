@@ -1,11 +1,12 @@
 """Packed micro-batches (parallel.pack_sequences) give the padded path's numerics.
 
 Same weights, same micro-batches (ragged lengths, random engine routes to replay), once right-padded
-and once with `packed` set (one row, block-diagonal causal mask on the local spec): logprobs, entropy,
-critic values and routing maps at every real position, the loss and grad norm of a first step and the
-loss of a second (so the optimizer step itself agrees), on one rank and under TP2 and PP2.
-RoPE sees absolute positions start_r.. in the packed row (GPTModel ignores position_ids), so attention
-is equal up to rounding: fp32 tolerances below, not bit-identity.
+and once with `packed` set (one row; THD with per-sample attention, parallel/packed_attention.py, on the
+local spec): logprobs, critic values and routing maps at every real position, the loss and grad norm of a
+first step and the loss of a second (so the optimizer step itself agrees), on one rank and under TP2 and
+PP2. Measured on one rank: logprobs within 4.8e-7, losses and grad norms equal. MLA (tiny GLM-5 with DSA)
+runs packed rows under a block-diagonal mask with positions start_r.. (RoPE is relative: equal up to
+rounding), hence its wider tolerance.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import torch
 from parallel import layout_check as lc
 from parallel.distributed import run_distributed_test
 
-LOGP_TOL, LOSS_TOL, GRAD_REL_TOL = 2e-5, 1e-6, 1e-5
+LOGP_TOL, LOSS_TOL, GRAD_REL_TOL = 2e-6, 1e-6, 1e-5
+DSA_LOGP_TOL = 2e-5   # MLA on the local spec runs packed rows under a block-diagonal mask, positions not restarting
 
 
 def _real(t: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -116,8 +118,9 @@ def test_packed_critic_values_equal_padded(single):
     padded, packed = single["values"]
     lengths = single["steps"]["lengths"]
     for a, b, n in zip(padded, packed, lengths):
-        assert float(_real(a, n).abs().max()) > 1e-3      # the values are not trivially zero
-        assert float((_real(a, n) - _real(b, n)).abs().max()) < LOGP_TOL
+        scale = float(_real(a, n).abs().max())
+        assert scale > 1e-3      # the values are not trivially zero
+        assert float((_real(a, n) - _real(b, n)).abs().max()) < 1e-6 * scale
 
 
 def test_packed_equals_padded_under_tp2_and_pp2(tiny_model_dir):
@@ -160,4 +163,4 @@ def test_packed_equals_padded_for_dsa(tmp_path):
     out = run_distributed_test(_dsa, world_size=1, timeout_s=300, args=(str(tmp_path / "model"),))[0]
     for name in ("own", "replayed"):
         padded, packed = out[name]
-        assert float((_real(padded, out["lengths"]) - _real(packed, out["lengths"])).abs().max()) < LOGP_TOL
+        assert float((_real(padded, out["lengths"]) - _real(packed, out["lengths"])).abs().max()) < DSA_LOGP_TOL

@@ -100,10 +100,10 @@ class ParallelConfig:
     micro_batch_tokens: int = doc(4096, "Token budget of one packed micro-batch per context-parallel rank; at "
                                          "least one whole sequence, (max_prompt_len + max_new_tokens) / cp.",
                                    bounds=">= 16")
-    pack_sequences: bool = doc(True, "Micro-batches hold samples back to back without padding (THD under "
-                                     "Transformer Engine, block-diagonal masks on CPU, where the masked attention "
-                                     "over the whole row can cost more than the padding saved: sao bench packing); "
-                                     "micro_batch_tokens then counts real tokens. Not with cp > 1.")
+    pack_sequences: bool = doc(True, "Micro-batches hold samples back to back without padding (THD: attention "
+                                     "per sample); micro_batch_tokens then counts real tokens. Pays off on "
+                                     "long-tailed lengths; on CPU short, alike samples train faster padded "
+                                     "(sao bench packing). Not with cp > 1.")
     dispatcher: Literal["alltoall", "allgather", "flex"] = doc(
         "alltoall", "MoE token dispatcher; flex = DeepEP (GPU, deep_ep installed, tp*ep > 1).")
     distributed_optimizer: bool = doc(False, "Megatron distributed optimizer (GPU).")
