@@ -128,15 +128,25 @@ class RLModel:
         self.indexers.set_topk(chunk_index, batch.indexer_topk)
 
     def _fill_pipeline(self, batches: list[TrainBatch]) -> list[TrainBatch]:
-        """With VPP Megatron needs a multiple of pp micro-batches: pad with copies whose loss_mask
-        and advantages are zero (no loss, no gradient, no route replay); their outputs are dropped."""
-        if self.dims.vpp == 1 or len(batches) % self.dims.pp == 0:
+        """With VPP Megatron needs a multiple of pp micro-batches, and more than its first rank's warm-up:
+        pad with copies whose loss_mask and advantages are zero (no loss, no gradient, no route replay);
+        their outputs are dropped. Megatron-Core 0.16.1's interleaved schedule deadlocks (both ranks wait in
+        p2p, seen on gloo with pp2 vpp2 and 2 micro-batches) when every micro-batch of the first rank is
+        a warm-up one: its warm-up is 2 (pp - 1) + (vpp - 1) pp of the nb * vpp forwards
+        (schedules.py get_pp_rank_microbatches), so nb must exceed that divided by vpp."""
+        pp, vpp = self.dims.pp, self.dims.vpp
+        if vpp == 1:
             return batches
-        extra = self.dims.pp - len(batches) % self.dims.pp
+        warmup = 2 * (pp - 1) + (vpp - 1) * pp
+        needed = max(len(batches), warmup // vpp + 1)
+        extra = -(-needed // pp) * pp - len(batches)
+        if extra == 0:
+            return batches
         last = batches[-1]
         zero = torch.zeros_like(last.loss_mask)
-        filler = replace(last, loss_mask=zero, advantages=zero, routed_experts=None, indexer_topk=None,
-                         sample_uids=[])
+        # the filler keeps the last batch's DSA selections: a "shared" indexer layer on a stage apart from
+        # its full layer has no other way to choose keys
+        filler = replace(last, loss_mask=zero, advantages=zero, routed_experts=None, sample_uids=[])
         return batches + [filler] * extra
 
     def _forward_only(self, batches: list[TrainBatch], on_output) -> list:

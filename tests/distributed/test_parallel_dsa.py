@@ -1,6 +1,8 @@
 """GLM-5 class (MLA + DSA with a shared indexer layer, index_topk 4 < the sequence) under DP2 (the whole
-model per rank), TP2 (sequence parallel: the indexer gathers the sequence), EP2 and PP2 (the shared
-layer 2 sits on the second stage, apart from its full layer 1, so it runs on the replayed selection):
+model per rank), TP2 (sequence parallel: the indexer gathers the sequence), EP2, PP2 (the shared layer 2
+sits on the second stage, apart from its full layer 1, so it runs on the replayed selection), PP2 x VPP2
+(one layer per virtual stage; Megatron's filler micro-batch keeps the selections) and PP2 with an uneven
+last stage (3 + 1 layers):
 with the engine's selection replayed, logprobs equal transformers forced to that selection within 2e-6
 on every layout, one training step gives the same loss, gradient norm and indexer agreement as DP2,
 and the HF export is bit-exact, indexers included."""
@@ -11,7 +13,8 @@ import torch
 
 from parallel.distributed import run_distributed_test
 
-LAYOUTS = {"dp2": dict(), "tp2": dict(tp=2), "ep2": dict(ep=2), "pp2": dict(pp=2)}
+LAYOUTS = {"dp2": dict(), "tp2": dict(tp=2), "ep2": dict(ep=2), "pp2": dict(pp=2),
+           "pp2vpp2": dict(pp=2, vpp=2), "pp2last1": dict(pp=2, last_stage_layers=1)}
 SEQ = 12
 
 
