@@ -25,6 +25,9 @@ def train_from_recipe(recipe: Recipe) -> int:
         from .sft import check_sft_data
 
         check_sft_data(recipe)   # a recipe refused for its SFT data creates nothing, run dir included
+    from .engines import check_engine_can_take_updates
+
+    check_engine_can_take_updates(recipe)   # likewise a refused FP8 engine checkpoint (ranks check it again)
     lock_if_first_rank(recipe)   # before anything is written: a second run into a live run dir touches nothing
     run_dir = prepare_run_dir(recipe)
     from sao_megatron.core.processes import reap_descendants_at_exit

@@ -106,6 +106,13 @@ def test_sao_train_refusing_its_sft_task_creates_no_run_directory(tmp_path, caps
     assert not (tmp_path / "runs").exists() and not (tmp_path / "model").exists()
 
 
+def test_sao_train_refusing_its_fp8_engine_sync_creates_no_run_directory(tmp_path, capsys):
+    assert main(["train", str(TINY), f"run.output_dir='{tmp_path / 'runs'}'", f"model.path='{tmp_path / 'model'}'",
+                 "rollout.engine_fp8=true", "weight_sync.method='shard_writes'"]) == 2
+    _one_line_error(capsys, "weight_sync.method", "fix")
+    assert not (tmp_path / "runs").exists()
+
+
 def test_sft_on_good_pairs_passes_the_check(tmp_path):
     from sao_megatron.core.config import load_recipe
 
