@@ -24,19 +24,14 @@ from typing import Iterable, Optional
 import torch
 
 from .mla_attention import sparse_layers
+from .routing_replay import RouteAgreement
 
 log = logging.getLogger(__name__)
 
 
-class IndexerAgreement:
-    """Counts replayed (token, layer, slot) choices the trainer's own indexer also made."""
-
-    def __init__(self):
-        self.agree = 0
-        self.total = 0
-
-    def reset(self) -> None:
-        self.agree, self.total = 0, 0
+class IndexerAgreement(RouteAgreement):
+    """Counts replayed (token, layer, slot) choices the trainer's own indexer also made (the counters and
+    their reduction over ranks are routing replay's)."""
 
     def count(self, replayed: torch.Tensor, own: torch.Tensor) -> None:
         """replayed, own: [b, sq, k] positions (-1 = empty)."""
@@ -48,14 +43,6 @@ class IndexerAgreement:
         hit = (replayed.unsqueeze(-1) == own.unsqueeze(-2)).any(dim=-1) & valid
         self.agree += int(hit.sum())
         self.total += int(valid.sum())
-
-    def reduced(self, group=None) -> Optional[float]:
-        from .distributed import comm_device
-
-        counts = torch.tensor([self.agree, self.total], dtype=torch.float64, device=comm_device())
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(counts, group=group)
-        return float(counts[0] / counts[1]) if counts[1] > 0 else None
 
 
 class IndexerReplayer:
