@@ -68,6 +68,9 @@ def stability_section(r: dict, link) -> str:
     if not any(peak_gain(x) > threshold for v in res.values() for x in v["runs"]):
         out.append(f"No run learned (peak gain above {threshold:.2f}) in this file: every collapse above is a fall "
                    "from the start, not 'learns, then collapses'; the setting is a floor, not a test of stability.")
+    if not any(x["collapsed"] for v in res.values() for x in v["runs"]):
+        out.append("No run collapsed in this file: it compares learning in this setting, not stability; a claim "
+                   "that one method collapses less cannot be tested on it.")
     out.append(survival_text(res))
     if "sao" in res:
         out.append(differences({f"sao - {a}": ([x["final_acc"] for x in res["sao"]["runs"]],
