@@ -28,6 +28,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .routed_experts import int32_values
+
 FIELD = "meta_info.indexer_topk"
 
 
@@ -43,15 +45,7 @@ def decode_indexer_topk(data, num_tokens: int, num_layers: int, index_topk: int)
     """base64 int32 -> int32 ``[num_tokens, num_layers, index_topk]``, rows below index_topk keys made
     canonical; ValueError (one line: the field, expected and received sizes) on anything else."""
     want = (num_tokens, num_layers, index_topk)
-    if not isinstance(data, str):
-        raise ValueError(f"{FIELD} must be a base64 string, got {type(data).__name__}")
-    try:
-        raw = base64.b64decode(data, validate=True)
-    except (ValueError, TypeError) as err:
-        raise ValueError(f"{FIELD} is not valid base64: {err}") from None
-    if len(raw) % 4:
-        raise ValueError(f"{FIELD} has {len(raw)} bytes, not a whole number of int32 values")
-    flat = np.frombuffer(raw, dtype="<i4")
+    flat = int32_values(data, FIELD)
     expected = num_tokens * num_layers * index_topk
     if flat.size != expected:
         got = f"{flat.size} int32 values"

@@ -31,15 +31,7 @@ def decode_routed_experts(data: str, num_tokens: int, top_k: int, num_layers: in
     ``layers`` is inferred as ``n_ints / (num_tokens * top_k)``; pass ``num_layers`` (the model's
     num_hidden_layers, not its MoE-layer count) to check it too.
     """
-    if not isinstance(data, str):
-        raise ValueError(f"routed_experts must be a base64 string, got {type(data).__name__}")
-    try:
-        raw = base64.b64decode(data, validate=True)
-    except (ValueError, TypeError) as err:
-        raise ValueError(f"routed_experts is not valid base64: {err}") from None
-    if len(raw) % 4:
-        raise ValueError(f"routed_experts has {len(raw)} bytes, not a whole number of int32 values")
-    flat = np.frombuffer(raw, dtype="<i4")
+    flat = int32_values(data, "routed_experts")
     per_token = num_tokens * top_k
     if num_tokens == 0:
         if flat.size:
@@ -55,3 +47,17 @@ def decode_routed_experts(data: str, num_tokens: int, top_k: int, num_layers: in
     if routes.numel() and int(routes.min()) < 0:
         raise ValueError("routed_experts holds a negative expert id")
     return routes
+
+
+def int32_values(data, field: str) -> np.ndarray:
+    """SGLang's base64 little-endian int32 payload (routed experts, indexer top-k) as a flat array;
+    ValueError naming `field` for anything else."""
+    if not isinstance(data, str):
+        raise ValueError(f"{field} must be a base64 string, got {type(data).__name__}")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"{field} is not valid base64: {err}") from None
+    if len(raw) % 4:
+        raise ValueError(f"{field} has {len(raw)} bytes, not a whole number of int32 values")
+    return np.frombuffer(raw, dtype="<i4")
