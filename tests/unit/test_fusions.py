@@ -111,3 +111,16 @@ def test_kernels_downstream_of_the_router_read_only_probs_and_routing_map():
     assert "setup_metadata(routing_map, probs)" in flex
     deepep = inspect.getsource(token_dispatcher._DeepepManager.setup_metadata)
     assert "torch.topk(probs, self.router_topk" in deepep
+
+
+def test_rl_model_refuses_flex_on_cpu_before_any_process_group():
+    from sao_megatron.core.config import load_recipe
+
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is for CPU-only machines")
+    from parallel.rl_model import _refuse_gpu_only_options
+
+    recipe = load_recipe(None, ["model.path=unused", "parallel.dispatcher=flex", "parallel.ep=2",
+                                "parallel.world_size=2"], check_files=False)
+    with pytest.raises(DispatcherError, match=r"^parallel.dispatcher = flex needs CUDA; fix:"):
+        _refuse_gpu_only_options(recipe)
