@@ -3,35 +3,18 @@
 Every field carries its documentation in ``metadata["doc"]`` and, where check() limits it, its
 accepted values in ``metadata["bounds"]`` (both shown by ``sao train --help-recipe``).
 Each section checks its own ranges in ``check()``; checks that span sections live on ``Recipe``.
+The [rollout] section lives in rollout_schema.py, the field helpers in fields.py.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Optional
 
 from . import text_rules
 from .bounds import check_bounds
-from .errors import ConfigError
-from ..imports import resolve_import_path
-
-ENGINE_ARGS_CHECK = "rollout.sglang_flags:check_engine_args"
-BLACKWELL = ("b200", "b300", "gb200", "gb300")   # SM100/SM103: DeepGEMM's UE8M0 scales in SGLang
-
-
-def doc(default, text: str, bounds: str = ""):
-    """A dataclass field with a default, a docstring and the values check() accepts, shown by
-    --help-recipe: ``bounds`` is ">= 1", "> 0", or an interval such as "[0, 1]" or "(0, 1]" (None,
-    where the type allows it, means unset). tests/unit/test_recipe_help.py holds check() to it."""
-    meta = {"doc": text, "bounds": bounds} if bounds else {"doc": text}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def _require(cond: bool, name: str, problem: str, fix: str) -> None:
-    if not cond:
-        raise ConfigError(name, problem, fix)
+from .fields import doc, require
+from .rollout_schema import AGENTS, RolloutConfig  # noqa: F401  (AGENTS: the recipe's rollout.agent names)
 
 
 @dataclass
@@ -47,8 +30,8 @@ class RunConfig:
 
     def check(self, p: str) -> None:
         text_rules.plain_name(f"{p}.name", self.name)
-        _require(self.num_steps >= 0, f"{p}.num_steps", f"{self.num_steps} < 0", "use 0 or more")
-        _require(self.debug != "train-only" or bool(self.debug_dir), f"{p}.debug_dir",
+        require(self.num_steps >= 0, f"{p}.num_steps", f"{self.num_steps} < 0", "use 0 or more")
+        require(self.debug != "train-only" or bool(self.debug_dir), f"{p}.debug_dir",
                  "train-only needs saved rollouts", "set run.debug_dir to a rollout-only run's rollouts dir")
         text_rules.one_line(f"{p}.output_dir", self.output_dir, empty_ok=False)
         text_rules.one_line(f"{p}.debug_dir", self.debug_dir)
@@ -76,7 +59,7 @@ class ModelConfig:
                                     bounds="[0, 10]")
 
     def check(self, p: str) -> None:
-        _require(bool(self.path), f"{p}.path", "no model directory given",
+        require(bool(self.path), f"{p}.path", "no model directory given",
                  "set model.path (create one with `sao init-model --arch qwen3_moe --preset tiny DIR`)")
         for name in ("path", "init_preset", "shape_preset"):
             text_rules.one_line(f"{p}.{name}", getattr(self, name))
@@ -113,9 +96,9 @@ class ParallelConfig:
         "auto", "How `sao train` starts ranks on one machine when world_size > 1.")
 
     def check(self, p: str) -> None:
-        _require(not self.optimizer_offload or self.distributed_optimizer, f"{p}.optimizer_offload",
+        require(not self.optimizer_offload or self.distributed_optimizer, f"{p}.optimizer_offload",
                  "needs the distributed optimizer", "set parallel.distributed_optimizer = true")
-        _require(not (self.pack_sequences and self.cp > 1), f"{p}.pack_sequences",
+        require(not (self.pack_sequences and self.cp > 1), f"{p}.pack_sequences",
                  f"packed rows are not split per sample over cp = {self.cp} ranks yet",
                  "set parallel.pack_sequences = false with context parallelism")
         check_bounds(self, p)
@@ -125,157 +108,6 @@ class ParallelConfig:
         if self.world_size:
             return self.world_size
         return base * max(self.dp, 1)
-
-
-@dataclass
-class RolloutConfig:
-    engine: Literal["reference", "sglang"] = doc("reference", "Engine kind: reference CPU server or SGLang.")
-    engine_urls: list = doc([], "URLs of running engines; empty = start num_engines engines locally.")
-    num_engines: int = doc(1, "Engines to start when engine_urls is empty.", bounds=">= 1")
-    host: str = doc("127.0.0.1", "Host the started engines bind to.")
-    port: int = doc(0, "First engine port; 0 = pick free ports.", bounds="[0, 65535]")
-    api_key: str = doc("", "API key the engines require ('' = generate one per run).")
-    engine_tp: int = doc(1, "Tensor-parallel ranks per engine (SGLang --tp-size, reference server --tp); each rank "
-                            "joins the weight-update group, so with engine_urls it must equal the engines' own tp.",
-                            bounds=">= 1")
-    engine_ep: int = doc(1, "SGLang: expert parallel size per engine.", bounds=">= 1")
-    engine_dp_attention: int = doc(0, "SGLang: dp-attention size (0 = off).", bounds=">= 0")
-    mem_fraction: float = doc(0.7, "SGLang: --mem-fraction-static.", bounds="(0, 1)")
-    engine_fp8: bool = doc(False, "Engines serve block-FP8 (128x128) weights (--quantization fp8) and weight sync "
-                                  "sends them FP8 blocks with their scales (docs/weight-transports.md, FP8 engines).")
-    engine_dtype: Literal["fp32", "bf16"] = doc(
-        "fp32", "Reference engines: the dtype they run in (--dtype); weight sync casts the trainer's weights to it. "
-                "bf16 against the fp32 trainer is a real train/inference mismatch (what DIS and the mismatch "
-                "corrections are for).")
-    engine_model_path: str = doc("", "Checkpoint the engines load ('' = model.path). SGLang with engine_fp8: a "
-                                     "block-FP8 checkpoint of the model (quantization_config fp8, [128, 128] blocks).")
-    engine_gpu: Literal["", "h100", "h200", "h20", "b200", "b300", "gb200", "gb300"] = doc(
-        "", "GPU model the SGLang engines run on ('' = not stated). FP8 engines are refused on Blackwell, where "
-            "SGLang 0.5.23 re-quantises block scales to powers of two at load (docs/engines.md).")
-    engine_args: list = doc([], "SGLang: extra `sglang.launch_server` flags appended to every engine's argv (and to "
-                                "`sao launch`'s script), each flag and value its own item, e.g. "
-                                "[\"--chunked-prefill-size\", \"4096\"]; checked against SGLang 0.5.23's flags. "
-                                "Flags other fields set, and speculative decoding, are refused (docs/engines.md).")
-    mode: Literal["single", "group"] = doc("single", "single: one rollout per prompt (SAO); group: n per prompt.")
-    n_samples_per_prompt: int = doc(1, "Rollouts per prompt in group mode.", bounds=">= 1")
-    batch_size: int = doc(16, "Samples per policy step (SAO paper: 128).", bounds=">= 1")
-    max_in_flight: int = doc(32, "Requests kept in flight across all engines.", bounds=">= 1")
-    temperature: float = doc(1.0, "Sampling temperature (> 0; RL needs a stochastic policy).", bounds="> 0")
-    top_p: float = doc(1.0, "Nucleus sampling p in (0, 1].", bounds="(0, 1]")
-    top_k: int = doc(-1, "Top-k sampling; -1 = off, else k >= 1 (0 would keep no token).", bounds=">= -1")
-    max_new_tokens: int = doc(64, "Response token budget per turn.", bounds=">= 1")
-    max_prompt_len: int = doc(256, "Prompts longer than this are rejected by policy bad_row.", bounds=">= 1")
-    staleness_bound: int = doc(4, "Drop/regenerate samples whose oldest token is more than tau versions old.",
-                               bounds=">= 0")
-    stale_policy: Literal["drop", "regenerate"] = doc("drop", "What to do with a sample over the staleness bound.")
-    request_timeout_s: float = doc(600.0, "Timeout of one generate call.", bounds="(0, 604800]")
-    task: str = doc("countdown", "Built-in task (countdown, arithmetic, copy, digits, online) or '' to use dataset.")
-    dataset: str = doc("", "Prompt file (jsonl or parquet) with a 'prompt' field (and 'answer').")
-    env_switch_every: int = doc(50, "Task 'online': the rewarded rule switches every this many trainer steps.",
-                                bounds=">= 1")
-    bad_row: Literal["skip", "fail"] = doc("skip", "A malformed dataset row is reported and skipped, or fails the run.")
-    prompt_key: str = doc("prompt", "Dataset field holding the prompt (a string or a list of chat messages).")
-    label_key: str = doc("", "Dataset field holding the label the reward checks; '' = 'answer', else 'label'.")
-    dataset_split: str = doc("train", "Split read from an HF dataset directory that has several.")
-    system_prompt: str = doc("", "System message put before every prompt ('' = none; a row's own system message wins).")
-    enable_thinking: Optional[bool] = doc(None, "Passed to the chat template as enable_thinking (Qwen3: false turns "
-                                                "thinking off); None = the template's default.")
-    chat_template_kwargs: dict = doc({}, "Extra keyword arguments for tokenizer.apply_chat_template (e.g. "
-                                         "{reasoning_effort = 'low'}).")
-    reward_fn: str = doc("", "Reward function import path 'pkg.mod:fn' (imported when the recipe is checked); "
-                             "'' = the task's own.")
-    reward_timeout_s: float = doc(10.0, "Timeout of one reward call; a timeout marks the sample failed.",
-                                  bounds="(0, 86400]")
-    sandbox: Literal["bwrap", "unsafe-no-isolation"] = doc(
-        "bwrap", "How model-written code (code rewards, the python tool) is isolated: bwrap (bubblewrap: own "
-                 "namespaces, read-only system, rlimits; refuses to run where bwrap is missing) or "
-                 "unsafe-no-isolation (a subprocess with rlimits and an in-process guard only, which code can undo).")
-    max_failed_in_a_row: int = doc(0, "Samples failing one after another (every engine attempt, or the reward) "
-                                      "before the run stops naming the cause; 0 = 2 x max_in_flight.", bounds=">= 0")
-    engine_down_timeout_s: float = doc(60.0, "Every engine unreachable this long stops the run with an error.",
-                                       bounds="> 0")
-    engine_restarts: int = doc(2, "Restarts of locally started engines that exit, per run (their requests are "
-                                  "re-issued); engines at engine_urls are not restarted.", bounds=">= 0")
-    agent: str = doc("", "Multi-turn agent run on every prompt: '' = one turn; 'python_tool' (python + submit "
-                         "tools, rollout/agent.py); 'code_repair' (read/write/python/submit on the row's repository, "
-                         "scored by its hidden tests); or 'pkg.mod:Class' with from_config(rollout_cfg, tokenizer, "
-                         "context_length) (docs/rollout.md, Agents).")
-    generate_fn: str = doc("", "Your own async rollout 'pkg.mod:fn', called as await fn(sample, turn, tokenizer) for "
-                               "every sample ('' = the driver's; not with rollout.agent; docs/rollout.md, Agents).")
-    max_turns: int = doc(4, "Agents: model turns per episode (each up to max_new_tokens tokens).", bounds=">= 1")
-    max_episode_tokens: int = doc(256, "Agents: response tokens per episode, actions and tool outputs together; one "
-                                       "tool output is cut to max_episode_tokens / max_turns (at least max_turns).")
-
-    def check(self, p: str) -> None:
-        _require(self.temperature > 0, f"{p}.temperature",
-                 f"{self.temperature} <= 0 is greedy decoding, not a valid RL policy", "use 1.0 (the SAO setting)")
-        _require(0 < self.top_p <= 1, f"{p}.top_p", f"{self.top_p} not in (0, 1]", "use 1.0")
-        _require(self.num_engines >= 1 or bool(self.engine_urls), f"{p}.num_engines",
-                 "no engines", "set rollout.num_engines >= 1 or list rollout.engine_urls")
-        _require(self.max_failed_in_a_row >= 0, f"{p}.max_failed_in_a_row", f"{self.max_failed_in_a_row} < 0",
-                 "use 0 (auto) or a positive count")
-        _require(self.engine_down_timeout_s > 0, f"{p}.engine_down_timeout_s", f"{self.engine_down_timeout_s} <= 0",
-                 "use e.g. 60")
-        _require(self.engine_restarts >= 0, f"{p}.engine_restarts", f"{self.engine_restarts} < 0", "use 0 (never) or more")
-        _require(bool(self.task) or bool(self.dataset), f"{p}.dataset", "neither task nor dataset is set",
-                 "set rollout.task (e.g. countdown) or rollout.dataset to a jsonl file")
-        _require(self.top_k != 0, f"{p}.top_k", "0 keeps no token", "use -1 (off) or a positive k")
-        text_rules.check_rollout_text(self, p)
-        self._check_agent(p)
-        check_data_keys(self, p)
-        _require(not (self.engine == "sglang" and self.engine_fp8 and self.engine_gpu in BLACKWELL), f"{p}.engine_fp8",
-                 f"FP8 engines on {self.engine_gpu}: SGLang 0.5.23 re-quantises their block scales to UE8M0 (powers "
-                 "of two, DeepGEMM's layout) at first load on Blackwell, and weight updates carry amax/448 scales",
-                 "set rollout.engine_fp8 = false (bf16 engines) or run the engines on Hopper (h100, h200)")
-        _require(self.engine_dtype == "fp32" or (self.engine == "reference" and not self.engine_fp8),
-                 f"{p}.engine_dtype", f"{self.engine_dtype!r} is for the reference engine without engine_fp8",
-                 "SGLang engines choose their dtype from the checkpoint; set rollout.engine_dtype = 'fp32'")
-        if self.engine_args:   # SGLang's flag table lives with the launcher (rollout/), reached by path
-            _require(self.engine == "sglang", f"{p}.engine_args", "SGLang flags with rollout.engine = "
-                     f"{self.engine!r}", "clear rollout.engine_args or set rollout.engine = 'sglang'")
-            resolve_import_path(ENGINE_ARGS_CHECK, f"{p}.engine_args")(self.engine_args)
-        check_bounds(self, p)
-
-    def _check_agent(self, p: str) -> None:
-        _require(self.agent in AGENTS or ":" in self.agent, f"{p}.agent", f"{self.agent!r} is not an agent",
-                 f"use one of {', '.join(repr(a) for a in AGENTS)} or 'pkg.mod:Class'")
-        if ":" in self.agent:
-            text_rules.import_path(f"{p}.agent", self.agent)
-        text_rules.import_path(f"{p}.generate_fn", self.generate_fn)
-        _require(self.agent != "code_repair" or bool(self.dataset), f"{p}.dataset", "rollout.agent = 'code_repair' "
-                 "needs repository rows", "set rollout.dataset to a code-repair jsonl and rollout.prompt_key = 'issue'")
-        _require(not (self.agent and self.generate_fn), f"{p}.generate_fn", "is set together with rollout.agent",
-                 "keep one: an agent runs its own turns, generate_fn replaces the whole rollout")
-        _require(self.max_episode_tokens >= self.max_turns, f"{p}.max_episode_tokens",
-                 f"{self.max_episode_tokens} leaves no token per turn for {self.max_turns} turns",
-                 "use at least rollout.max_turns tokens (e.g. 256)")
-
-
-# apply_chat_template arguments the prompt source sets itself (rollout/prompts.py)
-RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tokenize", "add_generation_prompt", "return_dict",
-                            "enable_thinking")
-
-
-def check_data_keys(cfg, p: str) -> None:
-    """Dataset field names and chat-template options (rollout's; sft's keys through check())."""
-    for name in ("prompt_key", "dataset_split"):
-        _require(isinstance(getattr(cfg, name), str) and bool(getattr(cfg, name).strip()), f"{p}.{name}",
-                 "is empty", "name a field of the dataset rows (e.g. 'prompt')" if name == "prompt_key"
-                 else "use e.g. 'train'")
-        text_rules.one_line(f"{p}.{name}", getattr(cfg, name))
-    text_rules.one_line(f"{p}.label_key", cfg.label_key)
-    _require(cfg.label_key != cfg.prompt_key, f"{p}.label_key", f"is the prompt field {cfg.prompt_key!r} too",
-             "name the field with the answer (or '' for 'answer'/'label')")
-    kwargs = cfg.chat_template_kwargs
-    _require(isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs), f"{p}.chat_template_kwargs",
-             "is not a table of named values", "write e.g. chat_template_kwargs = {reasoning_effort = 'low'}")
-    taken = sorted(set(kwargs) & set(RESERVED_TEMPLATE_KWARGS))
-    _require(not taken, f"{p}.chat_template_kwargs", f"sets {', '.join(taken)}, which the prompt source sets",
-             "remove it (use rollout.enable_thinking for enable_thinking)")
-
-
-# rollout.agent's built-in names (the classes: sao_megatron/evaluation/agents.py AGENTS)
-AGENTS = ("", "python_tool", "code_repair")
 
 
 @dataclass
@@ -333,19 +165,19 @@ class AlgorithmConfig:
     def check(self, p: str) -> None:
         for name in ("eps_low", "eps_high"):
             value = getattr(self, name)
-            _require(value is not None, f"{p}.{name}", "is unset (it never defaults to the other side)",
+            require(value is not None, f"{p}.{name}", "is unset (it never defaults to the other side)",
                      f"set {p}.{name} explicitly, or pick a preset with {p}.name")
-            _require(value > 0, f"{p}.{name}", f"{value} <= 0", "use a positive band width")
-        _require(self.eps_low < 1 or self.loss not in ("dis", "ppo"), f"{p}.eps_low",
+            require(value > 0, f"{p}.{name}", f"{value} <= 0", "use a positive band width")
+        require(self.eps_low < 1 or self.loss not in ("dis", "ppo"), f"{p}.eps_low",
                  f"{self.eps_low} >= 1 empties the lower band", "use a value in (0, 1)")
-        _require(self.lr > 0, f"{p}.lr", f"{self.lr} <= 0", "use a positive learning rate such as 1e-6")
+        require(self.lr > 0, f"{p}.lr", f"{self.lr} <= 0", "use a positive learning rate such as 1e-6")
         _check_lr_schedule(self, p)
         if ":" in self.loss:
             text_rules.import_path(f"{p}.loss", self.loss)
         check_bounds(self, p)
-        _require(self.correction_low < self.correction_high, f"{p}.correction_low",
+        require(self.correction_low < self.correction_high, f"{p}.correction_low",
                  "is not below correction_high", "use e.g. 0.5 and 2.0")
-        _require(self.overlong_cache <= self.overlong_max, f"{p}.overlong_cache",
+        require(self.overlong_cache <= self.overlong_max, f"{p}.overlong_cache",
                  f"{self.overlong_cache} > overlong_max {self.overlong_max}",
                  "use a cache no longer than algorithm.overlong_max (or 0)")
 
@@ -374,7 +206,7 @@ class CriticConfig:
 
 
 def _check_lr_schedule(section, p: str) -> None:
-    _require(section.lr_min <= section.lr, f"{p}.lr_min", f"{section.lr_min} > lr {section.lr}",
+    require(section.lr_min <= section.lr, f"{p}.lr_min", f"{section.lr_min} > lr {section.lr}",
              f"use a floor at or below {p}.lr (0 decays to zero)")
 
 
@@ -403,7 +235,7 @@ class WeightSyncConfig:
         "on its own group (per_stage), or every stage gathers to rank 0, the one sender (driver).")
 
     def check(self, p: str) -> None:
-        _require(self.bucket_mb > 0, f"{p}.bucket_mb", f"{self.bucket_mb} <= 0", "use e.g. 64")
+        require(self.bucket_mb > 0, f"{p}.bucket_mb", f"{self.bucket_mb} <= 0", "use e.g. 64")
         text_rules.one_line(f"{p}.disk_dir", self.disk_dir)
         check_bounds(self, p)
 
@@ -423,7 +255,7 @@ class CheckpointConfig:
                            "(0 = never; `sao export` makes one from any checkpoint).", bounds=">= 0")
 
     def check(self, p: str) -> None:
-        _require(self.keep_last >= 1, f"{p}.keep_last", f"{self.keep_last} < 1", "keep at least 1")
+        require(self.keep_last >= 1, f"{p}.keep_last", f"{self.keep_last} < 1", "keep at least 1")
         text_rules.one_line(f"{p}.resume", self.resume, empty_ok=False)
         check_bounds(self, p)
 
@@ -469,17 +301,17 @@ class EvalConfig:
                                   "from_source), then eval.datasets = ['scheme:ARG'] (docs/evaluation.md).")
 
     def check(self, p: str) -> None:
-        _require(self.max_episode_tokens >= self.max_turns, f"{p}.max_episode_tokens",
+        require(self.max_episode_tokens >= self.max_turns, f"{p}.max_episode_tokens",
                  f"{self.max_episode_tokens} leaves no token per turn for {self.max_turns} turns",
                  "use at least eval.max_turns tokens (e.g. 2048)")
         for scheme, path in self.agentic_evals.items():
-            _require(isinstance(scheme, str) and scheme.isidentifier() and scheme != "task", f"{p}.agentic_evals",
+            require(isinstance(scheme, str) and scheme.isidentifier() and scheme != "task", f"{p}.agentic_evals",
                      f"{scheme!r} is not a scheme name", "use a Python identifier other than 'task' as the key")
-            _require(isinstance(path, str) and ":" in path, f"{p}.agentic_evals", f"{scheme} = {path!r} is not "
+            require(isinstance(path, str) and ":" in path, f"{p}.agentic_evals", f"{scheme} = {path!r} is not "
                      "an import path", "write it as 'package.module:Class'")
             text_rules.import_path(f"{p}.agentic_evals", path)
         for source in self.datasets:
-            _require(isinstance(source, str), f"{p}.datasets", f"{source!r} is not a string",
+            require(isinstance(source, str), f"{p}.datasets", f"{source!r} is not a string",
                      "list file paths or 'task:NAME' strings")
             text_rules.one_line(f"{p}.datasets", source, empty_ok=False)
         check_bounds(self, p)
@@ -502,7 +334,7 @@ class LaunchConfig:
     python: str = doc("python", "Python interpreter on the nodes.")
 
     def check(self, p: str) -> None:
-        _require(self.rollout_nodes < self.nodes or self.rollout_nodes == 0, f"{p}.rollout_nodes",
+        require(self.rollout_nodes < self.nodes or self.rollout_nodes == 0, f"{p}.rollout_nodes",
                  f"{self.rollout_nodes} leaves no trainer node of {self.nodes}", "lower it or add nodes")
         text_rules.check_launch_text(self, p)
         check_bounds(self, p)
@@ -521,14 +353,14 @@ class SFTConfig:
     output: str = doc("", "Directory of the SFT model (HF format); '' = <run_dir>/sft_model.")
 
     def check(self, p: str) -> None:
-        _require(self.steps >= 0, f"{p}.steps", f"{self.steps} < 0", "use 0 (off) or more")
-        _require(self.lr > 0, f"{p}.lr", f"{self.lr} <= 0", "use 1e-3 for the tiny model")
-        _require(self.batch_size >= 1, f"{p}.batch_size", f"{self.batch_size} < 1", "use 1 or more")
+        require(self.steps >= 0, f"{p}.steps", f"{self.steps} < 0", "use 0 (off) or more")
+        require(self.lr > 0, f"{p}.lr", f"{self.lr} <= 0", "use 1e-3 for the tiny model")
+        require(self.batch_size >= 1, f"{p}.batch_size", f"{self.batch_size} < 1", "use 1 or more")
         for name in ("task", "dataset", "output", "prompt_key", "response_key"):
             text_rules.one_line(f"{p}.{name}", getattr(self, name))
         for name in ("prompt_key", "response_key"):
-            _require(bool(getattr(self, name).strip()), f"{p}.{name}", "is empty", "name a field of sft.dataset's rows")
-        _require(self.prompt_key != self.response_key, f"{p}.response_key", "is the prompt field too",
+            require(bool(getattr(self, name).strip()), f"{p}.{name}", "is empty", "name a field of sft.dataset's rows")
+        require(self.prompt_key != self.response_key, f"{p}.response_key", "is the prompt field too",
                  "name the field with the reference response")
         check_bounds(self, p)
 
