@@ -68,9 +68,11 @@ def _rank_env_from_mpi4py() -> RankEnv:
 
 def init_distributed(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> RankEnv:
     """Create the default process group (idempotent). MASTER_ADDR/PORT default to 127.0.0.1:29500."""
-    from .cpu_shim import install_cpu_shim
+    from .cpu_shim import enter_shim_in_this_thread
 
-    install_cpu_shim()
+    # the shim's device mode is thread-local: a model built in this thread needs it here even when another
+    # thread installed the shim first (pytest runs tests in its main thread, the trainer in a worker)
+    enter_shim_in_this_thread()
     info = detect_rank_env()
     if torch.distributed.is_initialized():
         return info

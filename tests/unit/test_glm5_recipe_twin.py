@@ -1,6 +1,6 @@
 """The 750B-A40B recipe's weight path on its tiny twin: the tiny GLM-5 (MLA + DSA indexers, a shared indexer
-layer, dense first layer) converted offline under the recipe's own layout kinds (tp, pp, etp as the
-recipe says; ep capped at the twin's 8 experts) and back, bit for bit, indexers included; then to the
+layer, dense first layer) converted offline under the recipe's own layout kinds (pp and etp as the
+recipe says; tp and ep capped at the twin's 4 heads and 8 experts) and back, bit for bit, indexers included; then to the
 block-FP8 engine checkpoint the recipe's rollout.engine_model_path names. Loading into the trainer and
 exporting under TP2/EP2/PP2 is tests/distributed/test_parallel_dsa.py."""
 from __future__ import annotations
@@ -34,9 +34,10 @@ def test_the_flagship_recipes_weight_path_round_trips_on_its_tiny_twin(tmp_path)
     recipe = load_recipe(RECIPE, check_files=False)
     assert recipe.model.arch == "glm5"
     twin = make_tiny_hf(tmp_path / "twin", "glm5", seed=6)
-    experts = json.loads((twin / "config.json").read_text())["n_routed_experts"]
+    config = json.loads((twin / "config.json").read_text())
     par = recipe.parallel
-    layout = ["--tp", str(par.tp), "--pp", str(par.pp), "--ep", str(min(par.ep, experts)), "--etp", str(par.etp)]
+    layout = ["--tp", str(min(par.tp, config["num_attention_heads"])), "--pp", str(par.pp),
+              "--ep", str(min(par.ep, config["n_routed_experts"])), "--etp", str(par.etp)]
     _sao("convert", "hf-to-mcore", str(twin), str(tmp_path / "mcore"), *layout)
     _sao("convert", "mcore-to-hf", str(tmp_path / "mcore"), str(tmp_path / "back"))
     original, back = dict(HFCheckpoint(twin)), dict(HFCheckpoint(tmp_path / "back"))
