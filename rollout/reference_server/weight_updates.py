@@ -221,10 +221,12 @@ async def _load(state, tensors, version: Optional[int], flush: bool, success: st
 
 
 async def update_from_disk(state, request: web.Request) -> web.Response:
-    """Read the files first, off the event loop and the scheduler and outside the gate, under a
-    timeout: a hung file (a FIFO, a dead network mount) fails this call alone while generation and
-    /health go on (SGLang reads them in its scheduler, holding the update lock: everything waits).
-    Only the in-memory copy runs behind the gate, so a failed read leaves the old weights."""
+    """As SGLang, the update takes the write lock on arrival (tokenizer_manager.py:771: in-flight
+    generations finish, new ones wait behind it), then reads the files: here off the event loop and
+    the scheduler, under a timeout, so a hung file (a FIFO, a dead network mount) fails this call after
+    --weight-sync-timeout-s and releases the lock, while /health answers throughout and waiting
+    generations go on afterwards (in SGLang everything waits for as long as the read hangs). Only a
+    complete read is installed, so a failed one leaves the old weights."""
     body = await read_json(request)
     path = required(body, "model_path", str)
     version, flush = _version_arg(body), parse_optional(body, "flush_cache", bool, True)
@@ -234,20 +236,24 @@ async def update_from_disk(state, request: web.Request) -> web.Response:
         return result(False, f"Failed to update weights: the read of {busy!r} has not finished (a hung file "
                              "or mount?); fix it, or restart the server", num_paused_requests=0)
     state.disk_read = path
+    started = []
 
     def read_ended():
         state.disk_read = None
-    try:
-        tensors = await _off_loop(lambda: read_safetensors(path), state.weight_sync_timeout_s, read_ended)
-    except ValueError as err:
-        return result(False, f"Failed to get weights iterator: {err}. The old weights stay.", num_paused_requests=0)
-    except asyncio.TimeoutError:
-        return result(False, f"Failed to update weights: reading {path!r} did not finish within "
-                             f"{state.weight_sync_timeout_s:g} s (--weight-sync-timeout-s; a hung file or mount?). "
-                             "The old weights stay.", num_paused_requests=0)
-    await _abort_if_asked(state, body)
 
     async def update():
+        started.append(True)
+        try:
+            tensors = await _off_loop(lambda: read_safetensors(path), state.weight_sync_timeout_s, read_ended)
+        except ValueError as err:
+            return result(False, f"Failed to get weights iterator: {err}. The old weights stay.",
+                          num_paused_requests=0)
+        except asyncio.TimeoutError:
+            return result(False, f"Failed to update weights: reading {path!r} did not finish within "
+                                 f"{state.weight_sync_timeout_s:g} s (--weight-sync-timeout-s; a hung file or "
+                                 "mount?). The old weights stay.", num_paused_requests=0)
+        await _abort_if_asked(state, body)
+
         def load():
             staged = state.weights.prepare(tensors)   # --quantization fp8: FP8 pairs -> model dtype, or refused
             for name, tensor in staged:                # all checks before any write
@@ -267,7 +273,11 @@ async def update_from_disk(state, request: web.Request) -> web.Response:
         done = "Succeeded to update model weights." + (f" Weight version updated to {version}." if version
                                                         is not None else "")
         return result(True, done, num_paused_requests=0)
-    return await state.gate.update(update, hold_pause_lock=False)
+    try:
+        return await state.gate.update(update, hold_pause_lock=False)
+    finally:
+        if not started:   # the gate never ran the read (cancelled while waiting): nothing is reading
+            read_ended()
 
 
 async def _off_loop(fn, timeout_s: float, on_end):
