@@ -114,10 +114,22 @@ def test_tensor_type_cuda_spelling(observed):
 
 
 def test_not_installed_when_cuda_present(monkeypatch):
+    """Checked in a fresh thread: device modes are thread-local, and a model built earlier in this
+    process (init_distributed enters the mode in its thread) leaves the main thread's mode on."""
+    import threading
+
     monkeypatch.setattr(cpu_shim, "_INSTALLED", False)
     monkeypatch.setattr(cpu_shim, "shim_needed", lambda: False)
-    assert cpu_shim.install_cpu_shim() is False
-    assert not cpu_shim.device_mode_active()
+    seen = {}
+
+    def fresh_thread():
+        seen["installed"] = cpu_shim.install_cpu_shim()
+        seen["entered"] = cpu_shim.enter_shim_in_this_thread()
+        seen["mode"] = cpu_shim.device_mode_active()
+    thread = threading.Thread(target=fresh_thread)
+    thread.start()
+    thread.join()
+    assert seen == {"installed": False, "entered": False, "mode": False}
 
 
 def _uneven_collectives() -> dict:
