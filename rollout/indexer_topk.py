@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .routed_experts import int32_values
+from .routed_experts import engine_text_config, int32_values
 
 FIELD = "meta_info.indexer_topk"
 
@@ -95,15 +95,7 @@ def indexer_shape_from_config(model_path: str | Path) -> dict:
     """{"index_topk", "num_indexer_layers"} of what an engine serving `model_path` returns, as SGLang
     reads them (num_hidden_layers for a DSA model, i.e. one with index_topk); both None without an
     indexer (DeepSeek-V3, Qwen3-MoE, ...)."""
-    import json
-
-    path = Path(model_path) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"cannot read the indexer's shape from {path}: {err}; fix: point model.path at an "
-                         "HF model directory") from None
-    text = config.get("text_config") or config
+    text = engine_text_config(model_path, "the indexer's shape")
     topk = text.get("index_topk")
     if not topk:
         return {"index_topk": None, "num_indexer_layers": None}

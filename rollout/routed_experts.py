@@ -61,3 +61,27 @@ def int32_values(data, field: str) -> np.ndarray:
     if len(raw) % 4:
         raise ValueError(f"{field} has {len(raw)} bytes, not a whole number of int32 values")
     return np.frombuffer(raw, dtype="<i4")
+
+
+def engine_text_config(model_path, what: str) -> dict:
+    """The text config of an engine's config.json (`text_config` when nested), as SGLang reads it; a
+    ValueError naming `what` and the file when it cannot be read."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_path) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read {what} from {path}: {err}; fix: point model.path at an HF model "
+                         "directory") from None
+    return config.get("text_config") or config
+
+
+def route_shape_from_config(model_path) -> dict:
+    """{"moe_topk", "num_layers"} of the routes an engine serving `model_path` returns, from its
+    config.json as SGLang reads them (state_capturer/routed_experts.py: num_experts_per_tok and
+    num_hidden_layers of the text config); both None for a dense model."""
+    text = engine_text_config(model_path, "the routes' shape")
+    topk = text.get("num_experts_per_tok")
+    return {"moe_topk": topk, "num_layers": text.get("num_hidden_layers") if topk else None}

@@ -13,7 +13,7 @@ expanded from SGLang's ``meta_info.weight_versions`` spans.
 
 Routes: SGLang returns ``[tokens, num_hidden_layers, num_experts_per_tok]`` but never reports that
 shape (/model_info has no such keys), so the client takes it from the model's config.json when the
-engines are built (`route_shape_from_config`).
+engines are built (`rollout.routed_experts.route_shape_from_config`).
 
 DSA indexer top-k (rollout/indexer_topk.py): a client told ``index_topk`` (the model has an indexer,
 `indexer_shape_from_config`) sends ``return_indexer_topk`` with every request that wants it
@@ -28,8 +28,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import json
-from pathlib import Path
 from typing import Any, Optional
 
 from rollout.engine import EngineError, GenerateRequest, GenerateResult, Generator
@@ -318,21 +316,6 @@ class SGLangEngine(Generator, WeightReceiver):
             return parse_weights_checker_reply(data)
         except ValueError as err:
             raise self._fail(f"/weights_checker reply: {err}") from None
-
-
-def route_shape_from_config(model_path: str | Path) -> dict:
-    """{"moe_topk", "num_layers"} of the routes an engine serving `model_path` returns, from its
-    config.json as SGLang reads them (state_capturer/routed_experts.py: num_experts_per_tok and
-    num_hidden_layers of the text config); both None for a dense model."""
-    path = Path(model_path) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"cannot read the routes' shape from {path}: {err}; fix: point model.path at an "
-                         "HF model directory") from None
-    text = config.get("text_config") or config
-    topk = text.get("num_experts_per_tok")
-    return {"moe_topk": topk, "num_layers": text.get("num_hidden_layers") if topk else None}
 
 
 def generate_body(request: GenerateRequest, cache_namespace: Optional[str] = None,

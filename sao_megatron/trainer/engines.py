@@ -118,7 +118,8 @@ def engine_clients(recipe: Recipe, urls: list[str], api_key: str) -> list:
     """One SGLangEngine per URL, told the routes' and the DSA indexer's shapes from the model's
     config.json (SGLang reports neither); the same for the driver's clients and every stage sender's."""
     from rollout.indexer_topk import indexer_shape_from_config
-    from rollout.sglang_client import SGLangEngine, route_shape_from_config
+    from rollout.routed_experts import route_shape_from_config
+    from rollout.sglang_client import SGLangEngine
 
     shape = {**route_shape_from_config(recipe.model.path), **indexer_shape_from_config(recipe.model.path)}
     return [SGLangEngine(url, api_key=api_key, name=f"engine{i}@{url}", timeout_s=recipe.rollout.request_timeout_s,

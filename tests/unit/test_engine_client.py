@@ -175,7 +175,7 @@ def test_retry_succeeds_when_server_comes_up():
 
 
 def test_route_shape_comes_from_config_json(tiny_model_dir, tmp_path):
-    from rollout.sglang_client import route_shape_from_config
+    from rollout.routed_experts import route_shape_from_config
 
     assert route_shape_from_config(tiny_model_dir) == {"moe_topk": 2, "num_layers": 4}
     (tmp_path / "config.json").write_text('{"text_config": {"num_hidden_layers": 3}}')   # dense

@@ -24,7 +24,8 @@ from rollout.reference_server.model_runner import ModelRunner, SlotCache
 from rollout.reference_server.protocol import build_response
 from rollout.reference_server.sampling import SamplingParams
 from rollout.reference_server.scheduler import Request, Scheduler
-from rollout.sglang_client import SGLangEngine, route_shape_from_config
+from rollout.routed_experts import route_shape_from_config
+from rollout.sglang_client import SGLangEngine
 
 TOL = 1e-5   # fp32 logprobs: prefill/decode vs teacher-forced differ by float summation order only
 
