@@ -408,7 +408,7 @@ class RolloutDriver(EngineHealth, StalenessControl):
     def state_dict(self) -> dict:
         """Everything to resume without losing or duplicating a prompt: in-flight samples are saved
         as they were after their last committed engine result and restart from there."""
-        work = [_work_state(s) for s in list(self._active.values()) + list(self._pending)]
+        work = [s.work_state() for s in list(self._active.values()) + list(self._pending)]
         return {"prompt_source": self.prompt_source.state_dict(), "buffer": self.buffer.state_dict(),
                 "work": work, "counts": dict(self.counts),
                 "dropped_stale": self.stats.dropped, "current_version": self._current_version,
@@ -424,16 +424,6 @@ class RolloutDriver(EngineHealth, StalenessControl):
         self.stats.dropped = state["dropped_stale"]
         self._current_version = state["current_version"]
         self._next_version = state.get("next_version")
-
-
-def _work_state(sample: Sample) -> dict:
-    """A sample still being generated, without its routes and indexer choices: its continuation's
-    engine call returns them for the whole prefix again, and they are the largest part of a checkpoint."""
-    state = copy.deepcopy(sample.to_dict())
-    if sample.status in (SampleStatus.PENDING, SampleStatus.ABORTED):
-        state.pop("routed_experts", None)
-        state.pop("indexer_topk", None)
-    return state
 
 
 async def _cancel_all(tasks: list[asyncio.Task]) -> None:

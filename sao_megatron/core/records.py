@@ -88,6 +88,18 @@ class Sample:
             if value is not None and value.shape[0] != max(self.num_tokens - 1, 0):
                 raise ValueError(f"sample {self.uid}: {name} has {value.shape[0]} rows, expected {self.num_tokens - 1}")
 
+    def work_state(self) -> dict:
+        """A copy of to_dict() for a driver checkpoint; a sample still being generated leaves out its routes
+        and indexer choices: its continuation's engine call returns them for the whole prefix again, and
+        they are the largest part of a checkpoint."""
+        import copy
+
+        state = copy.deepcopy(self.to_dict())
+        if self.status in (SampleStatus.PENDING, SampleStatus.ABORTED):
+            for name in _PER_POSITION:
+                state.pop(name, None)
+        return state
+
     def to_dict(self) -> dict:
         """JSON-safe form (for rollout dumps and checkpoints)."""
         out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in _PER_POSITION}
