@@ -11,7 +11,6 @@ import pytest
 import torch
 from aiohttp import web
 
-from rollout.driver import _work_state
 from rollout.dump import RolloutDumper, load_step
 from rollout.engine import EngineError, GenerateRequest
 from rollout.indexer_topk import (decode_indexer_topk, encode_indexer_topk, fill_every_key_rows,
@@ -180,7 +179,7 @@ def test_sample_checks_round_trips_and_driver_state(tmp_path):
         s.check()
     pending = sample("c", [1, 2], [5])
     pending.status = SampleStatus.ABORTED
-    assert "indexer_topk" not in _work_state(pending) and "routed_experts" not in _work_state(pending)
+    assert "indexer_topk" not in pending.work_state() and "routed_experts" not in pending.work_state()
     one = Sample.from_dict(sample("d", [1], []).to_dict())   # one token: no position was fed
     assert one.indexer_topk.shape[0] == 0
     one.check()
