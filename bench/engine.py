@@ -46,8 +46,8 @@ def workload(quick: bool, vocab: int, seed: int = 0, context: int | None = None)
 async def _server_run(url: str, api_key: str, jobs, warmup: bool) -> float:
     import aiohttp
 
-    from rollout.engine import GenerateRequest
-    from rollout.sglang_client import generate_body
+    from rollout.engines.engine import GenerateRequest
+    from rollout.engines.sglang_client import generate_body
 
     async def one(session, i, prompt, budget):
         body = generate_body(GenerateRequest(rid=f"b{i}-{time.monotonic_ns()}", input_ids=prompt,
@@ -102,7 +102,7 @@ def run(quick: bool = False, model_dir: str | None = None) -> dict:
     import torch
 
     from checkpoints.init_model import init_model
-    from rollout.reference_server import launch_local
+    from rollout.engines.reference_server import launch_local
 
     preset, repeats = ("tiny", 2) if quick else ("small", 7)
     with tempfile.TemporaryDirectory() as tmp:

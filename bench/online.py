@@ -1,6 +1,6 @@
 """Online learning: the rewarded style switches every K trainer steps (task 'online', env/phase).
 
-The default environment (rollout/environments.py) rewards the fraction of response characters in a
+The default environment (rollout/rewards/environments.py) rewards the fraction of response characters in a
 class that changes each phase: digits -> capitals -> punctuation. The tiny model learns a style
 within a phase, so the reward drops at each switch and has to climb back.
 
@@ -104,7 +104,7 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
     """quick: SAO, 2 phases of 1 step from a 2-step SFT; default: 3 methods, 5 seeds, 3 phases of 40
     steps from the SFT start (about 15 min on 2 CPU cores with jobs=2); full: 10 seeds, 4 phases of 40
     steps from random init (hours)."""
-    from rollout.environments import DEFAULT_RULES
+    from rollout.rewards.environments import DEFAULT_RULES
 
     switch_every, phases = (1, 2) if quick else ((FULL_SWITCH_EVERY, FULL_PHASES) if full else (40, 3))
     seeds = [1] if quick else FULL_SEEDS if full else [1, 2, 3, 4, 5]

@@ -1,6 +1,6 @@
 """Async single-rollout pipeline vs synchronous group pipeline: samples/s and trainer idle fraction.
 
-Both pipelines run the real RolloutDriver against the same SIMULATED engines (rollout/scripted_engine.py):
+Both pipelines run the real RolloutDriver against the same SIMULATED engines (rollout/engines/scripted.py):
 a request's latency is its length times ``token_time_s`` with at most ``slots`` requests decoding per
 engine (continuous batching), and response lengths come from one long-tailed lognormal distribution
 (capped at max_new_tokens). The trainer step is simulated as a fixed sleep per batch followed by an
@@ -26,7 +26,7 @@ import time
 from checkpoints.init_model import build_tokenizer
 from rollout.driver import RolloutDriver
 from rollout.prompts import build_prompt_source
-from rollout.scripted_engine import ScriptedEngine, lognormal_lengths
+from rollout.engines.scripted import ScriptedEngine, lognormal_lengths
 from sao_megatron.core.config.schema import RolloutConfig
 
 

@@ -71,7 +71,7 @@ def engine_command(recipe, slot: EngineSlot, head_host: str = "$HEAD_HOST") -> l
     SGLang reads the --config file $SAO_ENGINE_OPTIONS that the node script writes from it."""
     python = recipe.launch.python
     model_path = recipe.rollout.engine_model_path or recipe.model.path   # a block-FP8 one for SGLang FP8
-    from rollout.sglang_launcher import build_sglang_command, engine_model_config, has_indexer, sglang_args
+    from rollout.engines.sglang_launcher import build_sglang_command, engine_model_config, has_indexer, sglang_args
 
     if recipe.rollout.engine == "reference":
         fp8 = ["--quantization", "fp8"] if recipe.rollout.engine_fp8 else []   # FP8 blocks in, as SGLang's
@@ -105,10 +105,10 @@ def write_options_lines(python: str) -> list[str]:
 
 def fp8_gpu_guard_lines(python: str) -> list[str]:
     """Shell lines stopping the node (exit 2, one line) before FP8 engines start on a GPU where SGLang re-quantises
-    their scales (rollout/sglang_launcher.py check_fp8_engine_gpu says why)."""
+    their scales (rollout/engines/sglang_launcher.py check_fp8_engine_gpu says why)."""
     import shlex
 
-    code = "import sys; from rollout.sglang_launcher import fp8_gpu_guard; sys.exit(fp8_gpu_guard())"
+    code = "import sys; from rollout.engines.sglang_launcher import fp8_gpu_guard; sys.exit(fp8_gpu_guard())"
     return [f"{shlex.quote(python)} -c {shlex.quote(code)} || exit 2   # FP8 engines refuse Blackwell GPUs"]
 
 

@@ -54,7 +54,7 @@ SPEED_PROBE = "speed-probe.json"   # the trainer vs HF train tokens/s and TFLOP/
 PROBE = """
 import importlib, importlib.metadata as md, json, sys
 out = {"python": sys.version.split()[0], "missing": []}
-for mod in ("torch", "megatron.core", "transformers", "parallel.rl_model", "rollout.reference_server.server",
+for mod in ("torch", "megatron.core", "transformers", "parallel.rl_model", "rollout.engines.reference_server.server",
             "rollout.weights", "pytest"):
     try:
         importlib.import_module(mod)

@@ -43,8 +43,8 @@ from typing import Iterable, Optional
 
 from rollout.buffer import GroupFilter, SampleBuffer
 from rollout.context import PromptTooLong, fit_max_new_tokens
-from rollout.engine import EngineError, GenerateRequest, GenerateResult, Generator, settle_prefix_cache
-from rollout.engine_health import ENGINE_FAILURES, DriverError, EngineHealth, rejected
+from rollout.engines.engine import EngineError, GenerateRequest, GenerateResult, Generator, settle_prefix_cache
+from rollout.engines.health import ENGINE_FAILURES, DriverError, EngineHealth, rejected
 from rollout.rewards.base import apply_reward
 from rollout.staleness import StalenessControl, StalenessStats, token_versions
 from sao_megatron.core.records import Sample, SampleStatus
@@ -56,7 +56,7 @@ UPDATE_MODES = ("in_place", "retract", "abort")
 
 class RolloutDriver(EngineHealth, StalenessControl):
     """The rollout side of the trainer: samples in, batches out, and the one owner of pause/resume
-    (`weight_update`). Engine health (pick, mark dead, probe) is its part in rollout/engine_health.py;
+    (`weight_update`). Engine health (pick, mark dead, probe) is its part in rollout/engines/health.py;
     admission and the staleness bound its part in rollout/staleness.py."""
 
     def __init__(self, engines: list[Generator], prompt_source, reward_fn, cfg, tokenizer, *, seed: int,

@@ -211,7 +211,7 @@ def load_rows(path: str, bad_row: str = "skip", *, prompt_key: str = "prompt", l
 
 def task_rows(task: str, seed: int, num_problems: int, switch_every: int = 50) -> list[Row]:
     """`num_problems` generated problems of a built-in task (deterministic in seed)."""
-    from rollout.environments import ChangingEnvironment
+    from rollout.rewards.environments import ChangingEnvironment
     from rollout.rewards.tasks import get_task
 
     make = ChangingEnvironment(switch_every=switch_every).make if task == "online" else get_task(task).make

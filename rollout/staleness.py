@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollout.engine import EngineError, GenerateResult
+from rollout.engines.engine import EngineError, GenerateResult
 from sao_megatron.core.records import Sample
 
 

@@ -7,9 +7,13 @@ Tiers follow the folder: tests/unit (default), tests/distributed (2+ ranks over 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+# Test helpers shared across folders (the SGLang wheel reader, HTTP helpers, fakes): `from sglang_wheel import ...`.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 TIERS = {"unit", "distributed", "faults", "learning", "slurm", "multinode", "gpu"}
 

@@ -1,6 +1,6 @@
 """Writes tool_sft.jsonl: SFT transcripts that teach the tiny model the python-tool protocol
 (recipes/tiny_agent_cpu.toml). Each row's response is a whole two-turn episode as the agent builds it
-(rollout/agent.py): a python call that computes the problem, the tool's output exactly as the agent
+(rollout/agents/tool_loop.py): a python call that computes the problem, the tool's output exactly as the agent
 appends it, then a submit call with that output. SFT trains on all of it (the observation too), which
 is a warm start only; RL then trains the actions alone (observations have loss_mask 0).
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from rollout.sglang_launcher import has_indexer
+from rollout.engines.sglang_launcher import has_indexer
 
 from .engine import EngineOptions
 from .hardware import GPUS
@@ -52,7 +52,7 @@ def plan_input_from_recipe(recipe, gpus: int = 0, gpu: str = "h100", **options) 
                          else options.pop("optimizer_offload"))
     options.pop("optimizer_offload", None)
     cfg = model_config_of(recipe)
-    # the launcher's rule: a DSA model's engines run DP attention across the engine (rollout/sglang_launcher.py)
+    # the launcher's rule: a DSA model's engines run DP attention across the engine (rollout/engines/sglang_launcher.py)
     dp_attention = roll.engine_dp_attention or (roll.engine_tp if has_indexer(cfg) and roll.engine_tp > 1 else 0)
     engine = EngineOptions(tp=roll.engine_tp, ep=roll.engine_ep, dp_attention=dp_attention,
                            mem_fraction=roll.mem_fraction, fp8_weights=roll.engine_fp8,

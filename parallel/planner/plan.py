@@ -121,7 +121,7 @@ def make_plan(inp: PlanInput) -> Plan:
     return plan
 
 
-FP8_REFUSED_GPUS = ("b200",)   # planner GPUs of the Blackwell kind (rollout/sglang_launcher.py check_fp8_engine_gpu)
+FP8_REFUSED_GPUS = ("b200",)   # planner GPUs of the Blackwell kind (rollout/engines/sglang_launcher.py check_fp8_engine_gpu)
 
 
 def _plan_sender(plan: Plan) -> None:

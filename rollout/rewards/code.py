@@ -23,8 +23,8 @@ import secrets
 from dataclasses import replace
 from typing import Optional
 
-from rollout.sandbox import SandboxLimits, SandboxResult, run_python
-from rollout.sandbox_bwrap import require_bwrap
+from rollout.rewards.sandbox import SandboxLimits, SandboxResult, run_python
+from rollout.rewards.sandbox_bwrap import require_bwrap
 from sao_megatron.core.records import Sample
 
 from .code_checks import harness_script as checks_script, parse_tests, read_results, score

@@ -1,7 +1,7 @@
 """The reward of the built-in tasks, dispatched on ``sample.metadata["task"]``."""
 from __future__ import annotations
 
-from rollout.environments import ChangingEnvironment
+from rollout.rewards.environments import ChangingEnvironment
 from rollout.rewards.tasks import get_task
 from sao_megatron.core.records import Sample
 

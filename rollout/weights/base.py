@@ -23,7 +23,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from rollout.engine import EngineError, Generator, settle_prefix_cache
+from rollout.engines.engine import EngineError, Generator, settle_prefix_cache
 
 from .calls import run_all
 from .fp8_blocks import Fp8Layout, quantize_stream

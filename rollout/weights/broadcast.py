@@ -24,7 +24,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from checkpoints.name_map import is_expert_hf_name
-from rollout.engine import EngineError
+from rollout.engines.engine import EngineError
 from sao_megatron.core.backends import resolve_backend
 from sao_megatron.core.ports import free_port
 

@@ -16,7 +16,7 @@ from typing import Awaitable
 
 import torch
 
-from rollout.engine import EngineError
+from rollout.engines.engine import EngineError
 
 
 async def run_all(calls: dict[str, Awaitable], what: str, timeout_s: float) -> list:

@@ -1,7 +1,7 @@
 """check_equal: after a weight sync, does every engine hold the trainer's tensors?
 
 Each engine reports per-rank tensor checksums through SGLang 0.5.23's /weights_checker (action
-"checksum", rollout/weight_checksum.py); the trainer hashes its own exported HF tensors the same way
+"checksum", rollout/weights/checksum.py); the trainer hashes its own exported HF tensors the same way
 in the engine's layout and compares. The layout is read from the names the engine reports:
 
 - "hf": the engine holds HF names, except that routed experts may be fused as transformers 5 does
@@ -35,8 +35,8 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-from rollout.engine import EngineError
-from rollout.weight_checksum import EngineChecksums, is_skipped, tensor_checksums
+from rollout.engines.engine import EngineError
+from rollout.weights.checksum import EngineChecksums, is_skipped, tensor_checksums
 
 from .calls import run_all
 from .receiver import WeightReceiver

@@ -15,7 +15,7 @@ import math
 import multiprocessing as mp
 import torch
 
-from rollout.engine import EngineError
+from rollout.engines.engine import EngineError
 
 from .buckets import ReceiveBuffer
 from .receiver import WeightReceiver
@@ -85,7 +85,7 @@ def _load_disk(state, path, version):
 
 
 def _checksums(weights: dict) -> dict:
-    from rollout.weight_checksum import tensor_checksum
+    from rollout.weights.checksum import tensor_checksum
 
     return {name: tensor_checksum(t) for name, t in weights.items()}
 
@@ -205,7 +205,7 @@ class LoopbackEngine(WeightReceiver):
 
     async def check_weights(self, action: str = "checksum", skip_tensor_list=None, selector: str = "all"):
         """SGLang's /weights_checker "checksum" over the kept tensors (HF names), as one TP rank."""
-        from rollout.weight_checksum import checksum_reply, is_skipped, parse_weights_checker_reply
+        from rollout.weights.checksum import checksum_reply, is_skipped, parse_weights_checker_reply
 
         if action != "checksum":
             raise EngineError(f"engine {self.name}: LoopbackEngine answers action 'checksum' only, not {action!r}")

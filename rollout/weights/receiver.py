@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from rollout.engine import EngineError
+from rollout.engines.engine import EngineError
 
 
 class WeightReceiver(abc.ABC):
@@ -65,7 +65,7 @@ class WeightReceiver(abc.ABC):
 
     async def check_weights(self, action: str = "checksum", skip_tensor_list: Optional[list[str]] = None,
                             selector: str = "all"):
-        """SGLang's /weights_checker: an `EngineChecksums` (rollout/weight_checksum.py) holding every
+        """SGLang's /weights_checker: an `EngineChecksums` (rollout/weights/checksum.py) holding every
         rank's {tensor name: checksum}. Not abstract: receivers that keep no weights need not answer."""
         raise EngineError(f"engine {self.name}: {type(self).__name__} does not implement check_weights")
 

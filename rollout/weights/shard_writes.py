@@ -15,7 +15,7 @@ leaves from every rank that holds it and no rank holds the whole model.
 What it requires (the name says so): engines that take writes into each TP rank's own weights.
 SGLang 0.5.23 does that only through its Mooncake transfer engine (docs/weights.md, "Shard writes"),
 which this class does not drive; it drives the reference server's stand-in (`sao serve --tp N
---shard-writes`, rollout/reference_server/shard_writes.py). Inside the update window: the caller holds
+--shard-writes`, rollout/engines/reference_server/shard_writes.py). Inside the update window: the caller holds
 the session (update_session), a push writes the slices, collects one ack per rank (bytes received,
 first refusal), then labels the version with /update_weight_version (SGLang's route: a write into
 memory carries no version).
@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from rollout.engine import EngineError
+from rollout.engines.engine import EngineError
 from sao_megatron.core.backends import resolve_backend
 from sao_megatron.core.ports import free_port
 

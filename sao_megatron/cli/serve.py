@@ -4,7 +4,7 @@
 
 The key travels in $SAO_API_KEY (``--api-key`` works too, but `ps` shows a command line to every
 user); without one the weight and control routes answer 403 unless ``--insecure``. Flags are those
-of `python -m rollout.reference_server` (rollout/reference_server/server.py). Exit codes: 0 after
+of `python -m rollout.engines.reference_server` (rollout/engines/reference_server/server.py). Exit codes: 0 after
 SIGTERM/SIGINT, 2 for a bad flag (one line, before the model loads), 1 when the server fails
 (scheduler error, failed warmup): one line naming the cause.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 def register(sub) -> None:
-    from rollout.reference_server.server import add_arguments
+    from rollout.engines.reference_server.server import add_arguments
 
     parser = sub.add_parser("serve", help="Run the reference rollout server (SGLang HTTP protocol, CPU)")
     add_arguments(parser)
@@ -24,7 +24,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from rollout.reference_server.server import options_from_args, serve
+    from rollout.engines.reference_server.server import options_from_args, serve
 
     try:
         opts = options_from_args(args)

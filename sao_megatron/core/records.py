@@ -9,7 +9,7 @@ Conventions, used everywhere:
   num_hidden_layers, top_k]``, the experts each token position was routed to. The layer axis holds
   EVERY hidden layer, column = global 0-based layer id; dense layers (GLM's first_k_dense_replace)
   have all-zero columns, which replay never reads.
-- ``indexer_topk`` is what a DSA engine returns (rollout/indexer_topk.py), aligned as routes are:
+- ``indexer_topk`` is what a DSA engine returns (rollout/engines/indexer_topk.py), aligned as routes are:
   int32 ``[len(prompt_ids) + len(response_ids) - 1, num_hidden_layers, index_topk]``, row t the
   keys the query at position t attends, as logical token positions 0..t of the sample, -1 in unused
   slots (checkpoints/arch/dsa.py); a layer that reuses an earlier layer's selection holds a copy.

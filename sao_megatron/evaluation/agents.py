@@ -1,6 +1,6 @@
 """The rollout side's plug-ins of a recipe: `rollout.agent` and `rollout.generate_fn` (docs/rollout.md, Agents).
 
-The agents live where their tools do: the python-tool agent in rollout/agent.py, the code-repair
+The agents live where their tools do: the python-tool agent in rollout/agents/tool_loop.py, the code-repair
 environment beside its benchmark (code_repair_train.py). This module sits above both layers, so the
 trainer builds either through one call. A recipe can also name its own class, 'pkg.mod:Class', with
 ``from_config(rollout_cfg, tokenizer, context_length)``; an agent with a ``reward_fn`` attribute
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from rollout.agent import FunctionAgent
+from rollout.agents.tool_loop import FunctionAgent
 from rollout.rewards import resolve_reward_fn
 from sao_megatron.core.imports import resolve_import_path
 
 # rollout.agent name -> 'module:Class' (the names are listed in sao_megatron/core/config/schema.py AGENTS)
 AGENTS = {
-    "python_tool": "rollout.agent:ToolAgent",
+    "python_tool": "rollout.agents.tool_loop:ToolAgent",
     "code_repair": "sao_megatron.evaluation.code_repair_train:CodeRepairAgent",
 }
 

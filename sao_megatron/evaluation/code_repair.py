@@ -10,14 +10,14 @@ Task file (jsonl, one task per line; `eval.datasets = ["code_repair:PATH"]`):
      "gold_patch": "..."}                    # optional reference fix, used only by `validate_task`
 
 Episode: the model sees the issue and the file list and acts through the agent's tool protocol
-(rollout/agent.py) with four tools: ``read_file {path}``, ``write_file {path, content}`` (edit the
+(rollout/agents/tool_loop.py) with four tools: ``read_file {path}``, ``write_file {path, content}`` (edit the
 in-memory repository), ``python {code}`` (run code in the sandbox with the repository as its
 working directory; each call starts from the current files, so edits persist only through
 write_file) and ``submit {answer}`` where the answer is a unified diff, a JSON object
 ``{path: content}``, or "" for the repository as written (patches.py). An episode that ends without
 submit is scored on the repository as written.
 
-Score: the final repository plus the hidden tests run in the sandbox (rollout/sandbox.py); 1.0 only
+Score: the final repository plus the hidden tests run in the sandbox (rollout/rewards/sandbox.py); 1.0 only
 when the tests ran to their end (the random sentinel of rollout/rewards/code.py is printed after
 them; the exit code is not trusted, a fix that calls os._exit(0) on import scores 0), else 0.0. Environment failures also score 0.0, with `EpisodeResult.error` saying why:
 a bad task row (with its line), a malformed patch, a new top-level file that shadows a standard
@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from rollout.agent import ToolAgent, ToolCall
+from rollout.agents.tool_loop import ToolAgent, ToolCall
 from rollout.context import fit_max_new_tokens
-from rollout.engine import Generator, GenerateRequest
+from rollout.engines.engine import Generator, GenerateRequest
 from rollout.rewards.code import NONCE_FILE, harness_script, new_sentinel, tests_ran_to_the_end
-from rollout.sandbox import SandboxLimits, SandboxResult, run_python
+from rollout.rewards.sandbox import SandboxLimits, SandboxResult, run_python
 from sao_megatron.core.config.errors import ConfigError
 from sao_megatron.core.records import Sample
 
@@ -140,7 +140,7 @@ def _task_from_record(record, line: int) -> RepairTask:
 
 
 class RepoAgent(ToolAgent):
-    """The tool loop of rollout/agent.py with tools that act on one task's repository."""
+    """The tool loop of rollout/agents/tool_loop.py with tools that act on one task's repository."""
 
     def __init__(self, tokenizer, workspace: dict[str, str], **kwargs):
         super().__init__(tokenizer, **kwargs)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from rollout.agent import ToolAgent, append_observation
-from rollout.sandbox import SandboxLimits
-from rollout.sandbox_bwrap import require_bwrap
+from rollout.agents.tool_loop import ToolAgent, append_observation
+from rollout.rewards.sandbox import SandboxLimits
+from rollout.rewards.sandbox_bwrap import require_bwrap
 from sao_megatron.core.records import Sample, SampleStatus
 
 from .code_repair import CodeRepairEval, RepairTask, RepoAgent, run_hidden_tests

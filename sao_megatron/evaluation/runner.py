@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from rollout.context import PromptTooLong, fit_max_new_tokens
-from rollout.engine import Generator, GenerateRequest
+from rollout.engines.engine import Generator, GenerateRequest
 from sao_megatron.core.config.errors import ConfigError
 from sao_megatron.core.imports import resolve_import_path
 

@@ -3,7 +3,7 @@
 Same port and key, so their clients keep working; at most rollout.engine_restarts times per run, all
 engines together. Meanwhile the driver retries the dead engine's requests (new request ids, the old
 ones aborted: nothing lost or duplicated) and counts the restart as time the engines may be down; a
-restarted engine serves again once it holds the current weights (rollout/engine_health.py). A weight
+restarted engine serves again once it holds the current weights (rollout/engines/health.py). A weight
 update waits for a restart in progress (`settled`) and tells every rank how many `restarts` there
 were; after a new one every sender (each pipeline stage's too) forms its group again, since the new
 process is in none of the old ones (weight_updates.py `_regroup_after_restarts`). Past the budget

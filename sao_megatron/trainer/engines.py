@@ -108,7 +108,7 @@ def engine_fp8_layout(recipe: Recipe):
 
     if recipe.rollout.engine == "sglang":
         return layout_from_model_dir(engine_model_path(recipe))
-    from rollout.reference_server.fp8_weights import layout_for_model
+    from rollout.engines.reference_server.fp8_weights import layout_for_model
 
     path = engine_model_path(recipe)
     return layout_for_model(path, json.loads((Path(path) / "config.json").read_text()))
@@ -117,9 +117,9 @@ def engine_fp8_layout(recipe: Recipe):
 def engine_clients(recipe: Recipe, urls: list[str], api_key: str) -> list:
     """One SGLangEngine per URL, told the routes' and the DSA indexer's shapes from the model's
     config.json (SGLang reports neither); the same for the driver's clients and every stage sender's."""
-    from rollout.indexer_topk import indexer_shape_from_config
-    from rollout.routed_experts import route_shape_from_config
-    from rollout.sglang_client import SGLangEngine
+    from rollout.engines.indexer_topk import indexer_shape_from_config
+    from rollout.engines.routed_experts import route_shape_from_config
+    from rollout.engines.sglang_client import SGLangEngine
 
     shape = {**route_shape_from_config(recipe.model.path), **indexer_shape_from_config(recipe.model.path)}
     return [SGLangEngine(url, api_key=api_key, name=f"engine{i}@{url}", timeout_s=recipe.rollout.request_timeout_s,
@@ -132,7 +132,7 @@ def launch_engine(recipe: Recipe, index: int, api_key: str, run_dir: Path, port:
     if port is None:
         port = rollout.port + index if rollout.port else 0
     if rollout.engine == "reference":
-        from rollout.reference_server import launch_local
+        from rollout.engines.reference_server import launch_local
 
         # --tp N: the server joins the weight-update group as N ranks, as an SGLang engine with tp N does
         extra = ["--tp", str(rollout.engine_tp)] if rollout.engine_tp > 1 else []
@@ -147,12 +147,12 @@ def launch_engine(recipe: Recipe, index: int, api_key: str, run_dir: Path, port:
         return launch_local(Path(engine_model_path(recipe)).resolve(), host=rollout.host, port=port, api_key=api_key,
                             log_path=run_dir / f"engine{index}.log", seed=recipe.run.seed + index,
                             extra_args=extra or None)
-    from rollout.sglang_launcher import launch_sglang
+    from rollout.engines.sglang_launcher import launch_sglang
 
     return launch_sglang(recipe, index=index, port=port, api_key=api_key, log_path=run_dir / f"engine{index}.log")
 
 
 def _has_indexer(recipe: Recipe) -> bool:
-    from rollout.indexer_topk import indexer_shape_from_config
+    from rollout.engines.indexer_topk import indexer_shape_from_config
 
     return indexer_shape_from_config(engine_model_path(recipe))["index_topk"] is not None

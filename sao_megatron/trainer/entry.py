@@ -98,7 +98,7 @@ def run_rank(recipe: Recipe) -> int:
             raise                      # `sao train` itself prints it: one line, exit 2
         return rank_recipe_error(err, env.rank)
     from checkpoints.run_state import CheckpointWriteError
-    from rollout.engine import EngineError
+    from rollout.engines.engine import EngineError
 
     from .agreement import RankFailed
     from .stopping import CollectionStopped

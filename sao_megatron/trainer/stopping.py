@@ -47,7 +47,7 @@ async def collect_until_stopped(batch: Awaitable) -> list | Stop:
     failing) becomes a Stop carrying its one line; any other exception is a bug and propagates (with
     several ranks the loop sends it on as a Stop naming rank 0, so the others leave share_batch too).
     """
-    from rollout.engine_health import DriverError
+    from rollout.engines.health import DriverError
 
     task = asyncio.ensure_future(batch)
     try:

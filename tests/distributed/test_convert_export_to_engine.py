@@ -29,8 +29,8 @@ def _batch(tokens: list[int]):
 
 
 async def _sync_and_sample(named, url: str, api_key: str):
-    from rollout.engine import GenerateRequest
-    from rollout.sglang_client import SGLangEngine
+    from rollout.engines.engine import GenerateRequest
+    from rollout.engines.sglang_client import SGLangEngine
     from rollout.weights.check import check_weight_update_equal
     from rollout.weights import BroadcastWeightSync
     from sao_megatron.core.config import WeightSyncConfig
@@ -69,7 +69,7 @@ def _trainer(model_dir: str, url: str, api_key: str) -> dict:
 
 @pytest.fixture(scope="module")
 def outcome(tiny_model_dir):
-    from rollout.reference_server import launch_local
+    from rollout.engines.reference_server import launch_local
 
     with launch_local(tiny_model_dir, port=0, api_key="k", timeout_s=300) as server:
         return run_distributed_test(_trainer, world_size=1, timeout_s=600, args=(str(tiny_model_dir), server.url, "k"))[0]

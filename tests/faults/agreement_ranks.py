@@ -56,7 +56,7 @@ def build_trainer(run_dir: Path, steps: int, rank: int, world: int, policy, name
     from rollout.driver import RolloutDriver
     from rollout.prompts import build_prompt_source
     from rollout.rewards import resolve_reward_fn
-    from rollout.scripted_engine import ScriptedEngine
+    from rollout.engines.scripted import ScriptedEngine
     from sao_megatron.core.config import load_recipe
     from sao_megatron.trainer.checkpointing import Checkpoints
     from sao_megatron.trainer.components import Components

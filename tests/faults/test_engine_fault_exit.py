@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import types
 
-from rollout.engine import EngineError
+from rollout.engines.engine import EngineError
 from sao_megatron.core.config.recipe import Recipe
 from sao_megatron.trainer import entry
 

@@ -16,9 +16,9 @@ import threading
 
 import pytest
 
-import rollout.sandbox_bwrap as sandbox_bwrap
+import rollout.rewards.sandbox_bwrap as sandbox_bwrap
 from rollout.rewards.code import CodeReward, code_reward
-from rollout.sandbox import SandboxLimits, SandboxUnavailable, run_python
+from rollout.rewards.sandbox import SandboxLimits, SandboxUnavailable, run_python
 from sao_megatron.core.records import Sample
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None and not os.environ.get("CI"),

@@ -17,8 +17,8 @@ import pytest
 
 from rollout.rewards.code import code_reward
 from rollout.rewards.code_checks import harness_script as checks_script, parse_tests
-from rollout.sandbox import SandboxLimits, run_python
-from rollout.sandbox_bwrap import mib
+from rollout.rewards.sandbox import SandboxLimits, run_python
+from rollout.rewards.sandbox_bwrap import mib
 from sao_megatron.core.records import Sample
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None and not os.environ.get("CI"),

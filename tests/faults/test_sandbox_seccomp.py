@@ -1,4 +1,4 @@
-"""Issue 15.1, "seccomp where available": the sandbox's seccomp filter (rollout/sandbox_seccomp.py).
+"""Issue 15.1, "seccomp where available": the sandbox's seccomp filter (rollout/rewards/sandbox_seccomp.py).
 
 Inside bwrap, with the audit-hook guard switched off, the calls that reach kernel attack surface fail
 with EPERM (clone3 with ENOSYS), while an ordinary program (threads, fork, subprocess, numpy) runs as
@@ -18,8 +18,8 @@ import sys
 
 import pytest
 
-import rollout.sandbox_seccomp as sandbox_seccomp
-from rollout.sandbox import SandboxLimits, run_python
+import rollout.rewards.sandbox_seccomp as sandbox_seccomp
+from rollout.rewards.sandbox import SandboxLimits, run_python
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None and not os.environ.get("CI"),
                                 reason="bubblewrap is not installed (apt-get install -y bubblewrap); CI has it")
@@ -159,7 +159,7 @@ def test_the_program_refuses_mount_chroot_and_unshare_even_to_root(nr):
 def test_a_filter_bwrap_cannot_load_is_dropped_by_the_probe_and_the_runs_say_so(monkeypatch, caplog):
     """A kernel without seccomp filters makes bwrap fail on --seccomp: the probe then runs without it
     (logged once), rather than refusing every sandbox run."""
-    import rollout.sandbox_bwrap as sandbox_bwrap
+    import rollout.rewards.sandbox_bwrap as sandbox_bwrap
 
     invalid = b"\x00" * 8                  # one load instruction and no return: the kernel refuses it
     monkeypatch.setattr(sandbox_seccomp, "build", lambda: invalid)

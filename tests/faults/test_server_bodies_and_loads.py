@@ -22,8 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollout.reference_server import launch_local
-from rollout.reference_server.protocol import GENERATE_FIELDS, SAMPLING_FIELDS
+from rollout.engines.reference_server import launch_local
+from rollout.engines.reference_server.protocol import GENERATE_FIELDS, SAMPLING_FIELDS
 
 KEY = "round3-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -202,8 +202,8 @@ def test_a_receive_as_the_groups_source_is_refused_before_any_bytes_are_installe
     from types import SimpleNamespace
 
     from parallel.distributed import free_port
-    from rollout.reference_server.weight_group import destroy_weight_update_group, init_weight_update_group
-    from rollout.reference_server.weight_updates import _receive_all
+    from rollout.engines.reference_server.weight_group import destroy_weight_update_group, init_weight_update_group
+    from rollout.engines.reference_server.weight_updates import _receive_all
 
     group = init_weight_update_group("127.0.0.1", free_port(), 0, 1, "source_test", "gloo", timeout_s=30)
     try:
@@ -223,7 +223,7 @@ def test_a_broadcast_cut_short_installs_nothing(server, tiny_model_dir):
     from safetensors.torch import load_file
 
     from parallel.distributed import free_port
-    from rollout.reference_server.weight_group import init_weight_update_group
+    from rollout.engines.reference_server.weight_group import init_weight_update_group
 
     (weights,) = Path(tiny_model_dir).glob("*.safetensors")
     on_disk = load_file(str(weights))

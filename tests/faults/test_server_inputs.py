@@ -22,8 +22,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from rollout.reference_server import LocalServer, launch_local
-from rollout.sglang_launcher import wait_healthy
+from rollout.engines.reference_server import LocalServer, launch_local
+from rollout.engines.sglang_launcher import wait_healthy
 
 KEY = "fault-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -219,7 +219,7 @@ def test_a_client_that_goes_away_has_its_request_aborted(server, how):
 def test_the_api_key_is_not_on_the_servers_command_line(server):
     """launch_local hands the key over in $SAO_API_KEY: `ps` shows argv to every user."""
     cmdline = Path(f"/proc/{server.process.pid}/cmdline").read_bytes()
-    assert b"rollout.reference_server" in cmdline
+    assert b"rollout.engines.reference_server" in cmdline
     assert KEY.encode() not in cmdline and b"--api-key" not in cmdline
     status, text = _post(server.url, "/flush_cache", b"", {"Authorization": "Bearer wrong"})
     assert status == 401 and "API key" in _message(text)
@@ -264,8 +264,8 @@ def _spawn(model_dir, code: str, *flags: str) -> LocalServer:
 
 CRASH_ON_BOOM = """
 import sys
-from rollout.reference_server import scheduler
-from rollout.reference_server.__main__ import main
+from rollout.engines.reference_server import scheduler
+from rollout.engines.reference_server.__main__ import main
 real_step = scheduler.Scheduler._step
 def step(self):
     if any(r.rid == "boom" for r in self.running):

@@ -24,10 +24,10 @@ from checkpoints import preemption
 from checkpoints.init_model import build_tokenizer
 from checkpoints.run_state import ValueState
 from rollout.driver import RolloutDriver
-from rollout.engine import EngineError
+from rollout.engines.engine import EngineError
 from rollout.prompts import build_prompt_source
 from rollout.rewards import resolve_reward_fn
-from rollout.scripted_engine import ScriptedEngine
+from rollout.engines.scripted import ScriptedEngine
 from sao_megatron.core.config import load_recipe
 from sao_megatron.core.processes import pid_alive
 from sao_megatron.trainer.checkpointing import Checkpoints

@@ -24,7 +24,7 @@ SEQ = 16
 def server_scores(model_dir: str, batches) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per batch: (logprobs [rows, seq], routes [rows, seq, L, k], indexer_topk [rows, seq, L, topk]) as the
     reference server's model computes them on CUDA; -1 past each length."""
-    from rollout.reference_server.model_runner import ModelRunner
+    from rollout.engines.reference_server.model_runner import ModelRunner
 
     runner = ModelRunner(model_dir, dtype="fp32", device="cuda")
     out = []

@@ -30,7 +30,7 @@ SEQ = 16
 def hf_logprobs(model_dir: str, dtype: str, device: str, batches) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per batch: HF logprobs [rows, seq] in the trainer's convention (0 at t=0 and past each length)
     and the routes [rows, seq, layers, k] HF took (-1 past each length)."""
-    from rollout.reference_server.model_runner import ModelRunner
+    from rollout.engines.reference_server.model_runner import ModelRunner
 
     runner = ModelRunner(model_dir, dtype=dtype, device=device)
     logps, routes = [], []

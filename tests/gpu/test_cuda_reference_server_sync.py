@@ -1,7 +1,7 @@
 """The reference server on CUDA behind the trainer's weight-sync path (the GPU check kit, docs/gpu.md).
 
 A Megatron trainer rank on cuda:0 takes one optimizer step, export_hf() streams its HF tensors, and
-BroadcastWeightSync sends them to `python -m rollout.reference_server --device cuda...`; then
+BroadcastWeightSync sends them to `python -m rollout.engines.reference_server --device cuda...`; then
 - the server holds the trainer's tensors bit for bit (check_weight_update_equal: /weights_checker
   checksums of the server's 47 tensors, experts fused, hashed as SGLang hashes CUDA tensors);
 - the server's logprobs of a sampled continuation equal the trainer's on the same tokens (fp32 on
@@ -38,8 +38,8 @@ def _batch(tokens: list[int]):
 
 async def sync_and_sample(named, url: str, backend: str):
     """Push `named` to the server at `url`, check every tensor, then sample a continuation of PROMPT."""
-    from rollout.engine import GenerateRequest
-    from rollout.sglang_client import SGLangEngine
+    from rollout.engines.engine import GenerateRequest
+    from rollout.engines.sglang_client import SGLangEngine
     from rollout.weights.check import check_weight_update_equal
     from rollout.weights import BroadcastWeightSync
     from sao_megatron.core.config import WeightSyncConfig
@@ -85,7 +85,7 @@ def _need_two_gpus(backend: str) -> None:
 
 @pytest.fixture(scope="module", params=["gloo", "nccl"])
 def outcome(request, tiny_model_dir):
-    from rollout.reference_server import launch_local
+    from rollout.engines.reference_server import launch_local
 
     backend = request.param
     _need_two_gpus(backend)

@@ -15,7 +15,7 @@ pytest.importorskip("sglang", reason="needs SGLang: pip install 'sao-megatron[gp
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    from rollout.sglang_launcher import launch_sglang
+    from rollout.engines.sglang_launcher import launch_sglang
     from sao_megatron.core.config import load_recipe
 
     recipe = load_recipe(None, [f"model.path='{tiny_model_dir}'", "rollout.engine='sglang'", "rollout.mem_fraction=0.3"])
@@ -35,7 +35,7 @@ def _client(server, tiny_model_dir):
 
 
 def test_generate_returns_logprobs_routes_and_version(server, tiny_model_dir):
-    from rollout.engine import GenerateRequest
+    from rollout.engines.engine import GenerateRequest
 
     async def go():
         engine = _client(server, tiny_model_dir)
@@ -59,7 +59,7 @@ def test_distributed_update_refused_outside_a_session_and_disk_update_while_paus
     """SGLang 0.5.23: update_weights_from_distributed outside begin/end_weight_update answers 400 at
     once (no group needed to see it); a disk update with flush_cache=False loads while a request is
     paused in place, and the reachable() probe (/model_info) answers while paused."""
-    from rollout.engine import EngineError, GenerateRequest
+    from rollout.engines.engine import EngineError, GenerateRequest
 
     async def go():
         engine = _client(server, tiny_model_dir)

@@ -1,4 +1,4 @@
-"""Our CPU reproduction of SGLang's triton tensor hash (rollout/weight_checksum.py gpu_checksum) equals
+"""Our CPU reproduction of SGLang's triton tensor hash (rollout/weights/checksum.py gpu_checksum) equals
 the kernel itself on CUDA tensors: the hash a real SGLang engine reports from /weights_checker.
 
 The kernel comes from the installed sglang, or else from the pinned wheel cached under
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout.sglang_client import SGLANG_VERSION
-from rollout.weight_checksum import gpu_checksum, tensor_bytes, tensor_checksum
+from rollout.engines.sglang_client import SGLANG_VERSION
+from rollout.weights.checksum import gpu_checksum, tensor_bytes, tensor_checksum
 
 KERNEL = "sglang/kernels/ops/memory/gpu_tensor_hash.py"
 

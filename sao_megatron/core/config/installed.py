@@ -18,7 +18,7 @@ from .errors import ConfigError
 TASK_LOOKUP = "rollout.rewards.tasks:get_task"
 AGENTIC_EVALS = "sao_megatron.evaluation.runner:AGENTIC_EVALS"
 FAMILIES = "checkpoints.arch:ARCHS"
-ONLINE_TASK = "online"   # the changing environment (rollout/environments.py), not in the task table
+ONLINE_TASK = "online"   # the changing environment (rollout/rewards/environments.py), not in the task table
 
 
 def check_installed(recipe) -> None:

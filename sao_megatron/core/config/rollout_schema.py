@@ -10,7 +10,7 @@ from .bounds import check_bounds
 from .fields import doc, require
 from ..imports import resolve_import_path
 
-ENGINE_ARGS_CHECK = "rollout.sglang_flags:check_engine_args"
+ENGINE_ARGS_CHECK = "rollout.engines.sglang_flags:check_engine_args"
 BLACKWELL = ("b200", "b300", "gb200", "gb300")   # SM100/SM103: DeepGEMM's UE8M0 scales in SGLang
 
 
@@ -84,7 +84,7 @@ class RolloutConfig:
     engine_restarts: int = doc(2, "Restarts of locally started engines that exit, per run (their requests are "
                                   "re-issued); engines at engine_urls are not restarted.", bounds=">= 0")
     agent: str = doc("", "Multi-turn agent run on every prompt: '' = one turn; 'python_tool' (python + submit "
-                         "tools, rollout/agent.py); 'code_repair' (read/write/python/submit on the row's repository, "
+                         "tools, rollout/agents/tool_loop.py); 'code_repair' (read/write/python/submit on the row's repository, "
                          "scored by its hidden tests); or 'pkg.mod:Class' with from_config(rollout_cfg, tokenizer, "
                          "context_length) (docs/rollout.md, Agents).")
     generate_fn: str = doc("", "Your own async rollout 'pkg.mod:fn', called as await fn(sample, turn, tokenizer) for "

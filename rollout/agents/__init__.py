@@ -1,0 +1,2 @@
+"""Agents: multi-turn generation loops (a `rollout.generate_fn`) built on the engine client.
+"""
