@@ -83,7 +83,7 @@ def collapse_signals(rows: list[dict]) -> dict:
         "peak_acc": max(acc) if acc else float("nan"), "max_acc_drop": drop,
         "entropy_final_over_peak": (entropy[-1] / max(entropy)) if entropy and max(entropy) > 0 else float("nan"),
         "logprob_gap_last_over_first": gap_ratio, "grad_norm_spikes": sum(1 for n in norms if median and n > 10 * median),
-        "staleness_mean": statistics.fmean(series(rows, "rollout/staleness_mean") or [float("nan")]),
+        "staleness_mean": statistics.fmean(series(rows, "rollout/staleness") or [float("nan")]),
         "staleness_max": max(series(rows, "rollout/staleness_max") or [float("nan")]),
         "peak_gain": peak_gain(rows, acc), "learned": peak_gain(rows, acc) > LEARNED_THRESHOLD,
         "collapse_step": collapse_step,

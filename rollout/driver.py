@@ -41,6 +41,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Optional
 
+from rollout.batch_metrics import batch_metrics
 from rollout.buffer import GroupFilter, SampleBuffer
 from rollout.context import PromptTooLong, fit_max_new_tokens
 from rollout.engines.engine import EngineError, GenerateRequest, GenerateResult, Generator, settle_prefix_cache
@@ -113,6 +114,7 @@ class RolloutDriver(EngineHealth, StalenessControl):
         self.counts = {"finished": 0, "failed": 0, "engine_errors": 0, "continuations": 0}
         self.failed_in_a_row = 0
         self._last_batch: list[Sample] = []
+        self._last_version = 0                       # the trainer version _last_batch was handed out for
         self.recent_failures: deque[tuple[str, str]] = deque(maxlen=64)   # (uid, reason), newest last
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -166,8 +168,7 @@ class RolloutDriver(EngineHealth, StalenessControl):
             self._apply_staleness_bound()
             if self._batch_ready(num_samples, max_tokens):
                 batch = self.buffer.pop(num_samples) if max_tokens is None else self.buffer.pop(max_tokens=max_tokens)
-                self.stats.observe(batch, current_version)
-                self._last_batch, self._wanted = batch, 0
+                self._last_batch, self._last_version, self._wanted = batch, current_version, 0
                 # the next batch is at most one version newer (a step without a policy update keeps it)
                 self._pace, self._next_version = len(batch), current_version + 1
                 self._fill()
@@ -386,13 +387,10 @@ class RolloutDriver(EngineHealth, StalenessControl):
             raise DriverError(f"rollout worker failed: {type(self._error).__name__}: {self._error}") from self._error
 
     def metrics(self) -> dict:
+        """The last batch's numbers (rollout/batch_metrics.py) and the driver's own: counts, drops, load."""
         batch = self._last_batch
         elapsed = max(time.monotonic() - self._started_at, 1e-9) if self._started_at else 0.0
-        out = {
-            "rollout/raw_reward": _mean([s.reward for s in batch]),
-            "rollout/response_len": _mean([len(s.response_ids) for s in batch]),
-            "rollout/turns": _mean([s.metadata.get("turns", 1) for s in batch]),   # model turns per sample
-            "rollout/staleness_mean": self.stats.mean, "rollout/staleness_max": self.stats.max,
+        out = batch_metrics(batch, self._last_version) | {
             "rollout/dropped_stale": self.stats.dropped, "rollout/finished": self.counts["finished"],
             "rollout/failed": self.counts["failed"], "rollout/admission_room": self._admission_room(),
             "rollout/dropped_filtered": self.buffer.dropped_filtered,
@@ -438,8 +436,3 @@ async def _cancel_all(tasks: list[asyncio.Task]) -> None:
     for task in tasks:      # retrieve results so no 'exception was never retrieved' noise
         if not task.cancelled():
             task.exception()
-
-
-def _mean(values) -> float:
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else 0.0

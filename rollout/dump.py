@@ -18,6 +18,7 @@ from typing import Optional
 
 from sao_megatron.core.records import Sample
 
+from .batch_metrics import batch_metrics
 from .sample_source import SampleSource
 
 
@@ -96,6 +97,7 @@ class SavedRollouts(SampleSource):
         self.file_index, self.offset = 0, 0
         self._current: Optional[list[Sample]] = None
         self._last: list[Sample] = []
+        self._version = 0
 
     async def start(self) -> None:
         pass
@@ -116,13 +118,11 @@ class SavedRollouts(SampleSource):
             self.offset += len(take)
             if self.offset >= len(self._current):
                 self.file_index, self.offset, self._current = self.file_index + 1, 0, None
-        self._last = batch
+        self._last, self._version = batch, current_version
         return batch
 
     def metrics(self) -> dict:
-        rewards = [s.reward for s in self._last if s.reward is not None]
-        return {"rollout/raw_reward": sum(rewards) / len(rewards) if rewards else 0.0,
-                "rollout/response_len": sum(len(s.response_ids) for s in self._last) / max(len(self._last), 1)}
+        return batch_metrics(self._last, self._version)
 
     def state_dict(self) -> dict:
         return {"file_index": self.file_index, "offset": self.offset}

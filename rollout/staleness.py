@@ -40,16 +40,9 @@ def is_stale(group: list[Sample], current_version: int, bound: int) -> bool:
 
 @dataclass
 class StalenessStats:
-    """Staleness of the samples handed to the trainer in the last batch, and drops so far."""
+    """Samples over the bound so far (the batch's own staleness: rollout/batch_metrics.py)."""
 
-    mean: float = 0.0
-    max: int = 0
     dropped: int = 0          # samples dropped or sent back for regeneration, cumulative
-
-    def observe(self, batch: list[Sample], current_version: int) -> None:
-        values = [s.staleness(current_version) for s in batch]
-        self.mean = sum(values) / len(values) if values else 0.0
-        self.max = max(values) if values else 0
 
 
 def admission_room(*, bound: int, engine_version: int, next_train_version: int, pace: int, ahead: int) -> int:

@@ -87,7 +87,7 @@ class ConsoleSink(MetricSink):
     KEYS = [("train/sft_loss", "sft_loss", "{:.3f}"), ("rollout/raw_reward", "reward", "{:.3f}"),
             ("rollout/accuracy", "acc", "{:.3f}"), ("critic/vf_loss", "vf_loss", "{:.4f}"),
             ("critic/value0_return_corr", "v0~R", "{:+.2f}"), ("train/pg_clipfrac", "clip", "{:.3f}"),
-            ("train/ref_kl", "kl", "{:.4f}"), ("rollout/staleness_mean", "stale", "{:.2f}"),
+            ("train/ref_kl", "kl", "{:.4f}"), ("rollout/staleness", "stale", "{:.2f}"),
             ("perf/step_time_s", "s/step", "{:.2f}"), ("perf/tokens_per_s", "tok/s", "{:.0f}")]
     SUMMARY = ("rollout/accuracy", "rollout/raw_reward")   # first-10 vs last-10 means, printed at close
     WINDOW = 10

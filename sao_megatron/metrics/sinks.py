@@ -3,7 +3,7 @@ TensorBoard event files (tensorboard.py).
 
 Metric names follow the field's conventions: train/pg_clipfrac, train/ppo_kl, train/entropy,
 train/train_rollout_logprob_abs_diff, critic/vf_explained_var, rollout/raw_reward,
-rollout/response_len, rollout/staleness_mean, perf/step_time_s, ...
+rollout/response_len, rollout/staleness, perf/step_time_s, ...
 """
 from __future__ import annotations
 

@@ -87,22 +87,11 @@ def value_loss_fn(cfg: CriticConfig):
 
 
 def rollout_metrics(samples: list[Sample], version: int) -> dict:
-    """rollout/* numbers of the samples a step trained on."""
-    from sao_megatron.metrics.learning import accuracy
+    """rollout/* numbers of the samples a step trained on: the sample sources' own computation
+    (rollout/batch_metrics.py), so a log line's values agree whichever of the two wrote them."""
+    from rollout.batch_metrics import batch_metrics
 
-    rewards = torch.tensor([float(s.reward or 0.0) for s in samples])
-    lengths = torch.tensor([float(len(s.response_ids)) for s in samples])
-    stale = torch.tensor([float(s.staleness(version)) for s in samples])
-    return {
-        "rollout/raw_reward": rewards.mean().item(),
-        "rollout/raw_reward_std": rewards.std().item() if len(samples) > 1 else 0.0,
-        "rollout/accuracy": accuracy(samples),
-        "rollout/response_len": lengths.mean().item(),
-        "rollout/response_len_max": lengths.max().item(),
-        "rollout/staleness": stale.mean().item(),
-        "rollout/staleness_max": stale.max().item(),
-        "rollout/truncated_frac": sum(s.status.value == "truncated" for s in samples) / len(samples),
-    }
+    return batch_metrics(samples, version)
 
 
 def prefixed(prefix: str, metrics: dict) -> dict:

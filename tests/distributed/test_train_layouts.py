@@ -76,7 +76,7 @@ def test_resume_under_another_layout(single):
     assert [r["step"] for r in rows] == [2] and rows[0]["train/pg_loss"] == rows[0]["train/pg_loss"]
     # every sample of step 2 was generated under version 0, before the checkpoint: the buffered and
     # in-flight rollouts were carried over (fresh ones would be version 1, staleness 0)
-    assert rows[0]["rollout/staleness_mean"] == 1.0
+    assert rows[0]["rollout/staleness"] == 1.0
 
 
 @pytest.mark.parametrize("layout", [["parallel.world_size=2", "parallel.ep=2"], ["parallel.pp=2"], ["parallel.tp=2"]],

@@ -85,7 +85,7 @@ def _policy_rows(acc, entropy=None, gap=None):
     gap = gap or [0.1] * n
     return ([{"step": 0, "rollout/accuracy": acc[0]}]      # a critic warm-up step: no policy metrics
             + [{"step": i + 1, "rollout/accuracy": a, "train/entropy": e, "train/train_rollout_logprob_abs_diff": g,
-                "train/grad_norm": 1.0, "rollout/staleness_mean": 2.0, "rollout/staleness_max": 8}
+                "train/grad_norm": 1.0, "rollout/staleness": 2.0, "rollout/staleness_max": 8}
                for i, (a, e, g) in enumerate(zip(acc, entropy, gap))])
 
 

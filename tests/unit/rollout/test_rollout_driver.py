@@ -77,7 +77,7 @@ def test_single_mode_one_sample_per_prompt_with_consistent_tokens():
         assert s.rollout_logprobs == [-1.0] * len(s.response_ids)
     assert all(len(e.rids) > 0 for e in eng)      # least-loaded placement spreads the work
     assert metrics["rollout/staleness_max"] == 0 and metrics["rollout/failed"] == 0
-    for key in ("rollout/raw_reward", "rollout/response_len", "rollout/staleness_mean", "rollout/dropped_stale",
+    for key in ("rollout/raw_reward", "rollout/response_len", "rollout/staleness", "rollout/dropped_stale",
                 "rollout/samples_per_s", "rollout/in_flight"):
         assert key in metrics
 
