@@ -28,13 +28,22 @@ def _flag(cmd: list[str], name: str) -> str:
 
 def test_engine_args_reach_both_commands_and_seeds_agree(tmp_path):
     recipe = _recipe(tmp_path, 'engine_tp = 2\nengine_args = ["--chunked-prefill-size", "4096", "--disable-radix-cache"]')
-    local = build_sglang_command(args_from_recipe(recipe, index=1, port=31000, api_key=""), python="py")
+    local = build_sglang_command(args_from_recipe(recipe, index=1, port=31000, api_key=""), python=recipe.launch.python)
     slurm = engine_command(recipe, EngineSlot(engine=1, node=0, head_node=0, node_rank=0, nnodes=1, base_gpu=2,
                                               port=31000))
     for cmd in (local, slurm):
         assert cmd[-3:] == ["--chunked-prefill-size", "4096", "--disable-radix-cache"]
         assert _flag(cmd, "--random-seed") == "8" and _flag(cmd, "--base-gpu-id") == "2"   # run.seed + engine 1
     assert "--enable-return-indexer-topk" not in local and "--attn-dp-size" not in local   # no indexer
+    # one mapping (sglang_args): the argv differ only where each runs (the host) and how the key travels
+    assert _flag(slurm, "--host") == "$ENGINE_HOST" and "--config" in slurm and "--config" not in local
+    assert _without(slurm, "--host", "--config") == _without(local, "--host")
+
+
+def _without(cmd: list[str], *flags: str) -> list[str]:
+    """argv with each of `flags` and its value taken out."""
+    drop = {i + k for i, arg in enumerate(cmd) if arg in flags for k in (0, 1)}
+    return [arg for i, arg in enumerate(cmd) if i not in drop]
 
 
 @pytest.mark.parametrize("hf", [{"model_type": "glm_moe_dsa"}, {"model_type": "deepseek_v3", "index_topk": 2048}])
