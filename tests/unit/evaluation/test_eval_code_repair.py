@@ -223,7 +223,7 @@ def test_episodes_are_capped_to_the_context_and_a_prompt_that_does_not_fit_score
     """Each turn asks for 1024 tokens; an engine refusing prompt + max_new_tokens past 600 (as SGLang
     does) is never sent such a request, and the fix still scores 1. A context the prompt alone fills
     scores 0 with a one-line reason and sends nothing."""
-    from test_rollout_driver import ContextEngine
+    from context_engine import ContextEngine
 
     cfg = EvalConfig(datasets=[f"code_repair:{tmp_path / 'repair.jsonl'}"], k=1)
     make_env(tmp_path)

@@ -14,6 +14,8 @@ from rollout.engines.scripted import ScriptedEngine as FakeEngine
 from sao_megatron.core.config.schema import RolloutConfig
 from sao_megatron.core.records import SampleStatus
 
+from context_engine import ContextEngine
+
 TOK = build_tokenizer()
 
 
@@ -503,24 +505,6 @@ def test_dead_engine_probe_waits_out_an_update_window():
 
     asyncio.run(main())
     assert probed and not any(probed)   # probed after the window, never during it
-
-
-class ContextEngine(FakeEngine):
-    """A fake engine that refuses, as SGLang 0.5.23 does (HTTP 400), a request whose prompt +
-    max_new_tokens passes `context`; `requests` records (input length, max_new_tokens) of each call."""
-
-    def __init__(self, name, *, context, **kw):
-        super().__init__(name, **kw)
-        self.context, self.requests = context, []
-
-    async def generate(self, request):
-        from rollout.engines.engine import EngineError
-
-        self.requests.append((len(request.input_ids), request.max_new_tokens))
-        if len(request.input_ids) + request.max_new_tokens > self.context:
-            raise EngineError(f"engine {self.name} answered HTTP 400: Requested token count exceeds the model's "
-                              f"maximum context length of {self.context} tokens")
-        return await super().generate(request)
 
 
 PROMPT_LEN = 23    # every arithmetic prompt of make_driver's source, in the char-level tokenizer

@@ -143,7 +143,7 @@ def test_multi_turn_episodes_stay_within_the_context_and_no_request_is_refused()
     """Turn 1 (a 62-token call) and its 65-token observation fit a context of 160 after the 23-token
     prompt; turn 2 is capped to the 10 tokens left (64 would be refused by SGLang), and the
     observation of its cut-off call is not appended: every episode ends TRUNCATED at exactly 160."""
-    from test_rollout_driver import ContextEngine
+    from context_engine import ContextEngine
 
     cfg = RolloutConfig(task="arithmetic", batch_size=4, max_in_flight=4, max_new_tokens=64)
     first, context = call("python", code='print("x"*60)'), 23 + 62 + 65 + 10
