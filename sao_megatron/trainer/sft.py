@@ -12,9 +12,13 @@ model also learns to stop. The result is an HF model directory (`sft.output`, de
     sao train RECIPE          with sft.steps > 0: SFT first (skipped when the output already holds
                               this [sft] section's result), then RL from it
 
-Metrics (train/sft_loss, train/grad_norm, perf/step_time_s) go to ``<run_dir>/sft/metrics.jsonl``,
-wandb and the console, as in training. The loss is at temperature 1 (not rollout.temperature): SFT
-fits the data distribution itself.
+Micro-batches are built as RL builds them (batching.pack_samples): within parallel.micro_batch_tokens,
+and with parallel.pack_sequences the samples run back to back without padding (the budget then
+counts real tokens); the loss is the same either way.
+
+Metrics (train/sft_loss, train/grad_norm, perf/step_time_s, perf/pad_fraction) go to
+``<run_dir>/sft/metrics.jsonl``, wandb and the console, as in training. The loss is at temperature 1
+(not rollout.temperature): SFT fits the data distribution itself.
 """
 from __future__ import annotations
 
@@ -97,6 +101,8 @@ def run_sft_rank(recipe: Recipe) -> Path:
     """One rank of SFT: build the policy as training does, train sft.steps steps, export on rank 0."""
     from parallel.distributed import init_distributed, single_process_port
 
+    from .speed import pad_fraction
+
     single_process_port()
     env = init_distributed("auto")
     _seed(recipe.run.seed + env.rank)
@@ -107,11 +113,12 @@ def run_sft_rank(recipe: Recipe) -> Path:
         for step in range(1, recipe.sft.steps + 1):
             started = time.perf_counter()
             batches = sft_batches([next_pair(source, tokenizer, recipe) for _ in range(recipe.sft.batch_size)],
-                                  recipe.parallel.micro_batch_tokens)
+                                  recipe.parallel.micro_batch_tokens, packed=recipe.parallel.pack_sequences)
             stats = policy.train_step(_my_share(batches), sft_loss_fn)
             if sink is not None:
                 sink.log({"train/sft_loss": stats["sft_loss"], "train/grad_norm": stats["grad_norm"],
-                          "train/lr": stats["lr"], "perf/step_time_s": time.perf_counter() - started}, step)
+                          "train/lr": stats["lr"], "perf/step_time_s": time.perf_counter() - started,
+                          "perf/pad_fraction": pad_fraction(batches)}, step)
     finally:
         if sink is not None:
             sink.close()
@@ -125,14 +132,16 @@ def sft_loss_fn(batch: TrainBatch, outputs: dict) -> LossOutputs:
     return LossOutputs(loss, {"sft_loss": loss.detach()})
 
 
-def sft_batches(pairs: list[tuple[list[int], list[int]]], token_budget: int) -> list[TrainBatch]:
-    """(prompt_ids, response_ids) pairs -> micro-batches with a loss mask over every response token."""
+def sft_batches(pairs: list[tuple[list[int], list[int]]], token_budget: int, packed: bool = False) -> list[TrainBatch]:
+    """(prompt_ids, response_ids) pairs -> micro-batches with a loss mask over every response token, made by
+    the RL path's packer; ``packed`` (parallel.pack_sequences): the budget counts real tokens and the model
+    runs each micro-batch's samples back to back."""
     from .batching import pack_samples
 
     samples = [Sample(uid=f"sft-{i}", prompt_index=i, prompt_ids=list(p), response_ids=list(r),
                       loss_mask=[1] * len(r), rollout_logprobs=[0.0] * len(r), weight_versions=[0] * len(r))
                for i, (p, r) in enumerate(pairs)]
-    return pack_samples(samples, token_budget, with_routes=False).batches
+    return pack_samples(samples, token_budget, with_routes=False, packed=packed).batches
 
 
 def next_pair(source, tokenizer, recipe: Recipe) -> tuple[list[int], list[int]]:
