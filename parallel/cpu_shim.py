@@ -1,7 +1,7 @@
 """Make Megatron-Core 0.16.1 run on a CPU-only torch over gloo. Installed once, never on a GPU.
 
 Megatron-Core assumes CUDA in a handful of places. Each patch below is one named function, each has a
-unit test in tests/unit/test_parallel_cpu_shim.py, so a Megatron upgrade that breaks one is caught.
+unit test in tests/unit/parallel/test_parallel_cpu_shim.py, so a Megatron upgrade that breaks one is caught.
 Each entry says which Megatron-Core assumption it answers (found by running 0.16.1 on a CPU-only torch):
 
 1. ``torch.cuda.current_device`` -> ``"cpu"`` (Megatron allocates with ``device=current_device()``).

@@ -30,7 +30,7 @@ router_replay.get_replay_topk), and the router returns (probs, routing_map) buil
 expert kernel downstream consumes only that pair: MoELayer.preprocess hands it to the dispatcher
 (moe_layer.py:246-272); permute fusion permutes by routing_map; TEGroupedMLP gets the tokens per expert
 the dispatcher counted from it; the flex dispatcher takes top-k of the dense probs (token_dispatcher.py:1161),
-which are non-zero exactly at the replayed experts. tests/unit/test_fusions.py pins this against the source.
+which are non-zero exactly at the replayed experts. tests/unit/parallel/test_fusions.py pins this against the source.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ one with ``model.shape_preset``. `count_parameters(cfg)` works on any of them an
 ``config.json`` (the tiny Qwen3-MoE included), so the planner and the tests use one counting rule.
 
 Counting rules (untied embeddings; SwiGLU MLP = 3·H·F; shapes from each model's HF config.json and
-transformers configuration class; totals checked against the advertised sizes in tests/unit/test_model_shapes.py):
+transformers configuration class; totals checked against the advertised sizes in tests/unit/parallel/test_model_shapes.py):
 - GQA attention: H·nh·hd + 2·H·nkv·hd + nh·hd·H (+ q/k/v bias nh·hd + 2·nkv·hd) (+ q/k norm 2·hd).
 - MLA: H·qr + qr + qr·nh·(nope+rope) + H·(kvr+rope) + kvr + kvr·nh·(nope+v) + nh·v·H
   (the two lone terms are the q_a / kv_a latent RMSNorms).

@@ -46,7 +46,7 @@ class Family:
     mla: bool = False                           # multi-latent attention (MLATransformerConfig, needs TE)
 
     def missing_fields(self) -> list[str]:
-        """Names of fields left empty (tests/unit/test_arch_registry.py requires none)."""
+        """Names of fields left empty (tests/unit/checkpoints/test_arch_registry.py requires none)."""
         return [name for name, value in vars(self).items()
                 if name != "mla" and (value is None or value == "" or (hasattr(value, "__len__") and not len(value)))]
 

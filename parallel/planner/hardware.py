@@ -4,7 +4,7 @@ Peaks are dense (no 2:4 sparsity) numbers from NVIDIA's data sheets for the SXM 
 torch.cuda.mem_get_info reports as total on an idle device. Links are per GPU and per direction:
 NVLink inside a node, the node's InfiniBand/RoCE NIC (one 400 Gb/s ConnectX-7 per GPU on DGX/HGX
 H100, H200 and B200) across nodes. docs/cluster.md ("Step time") repeats this table and says where
-each efficiency comes from; tests/unit/test_plan_time.py holds the two copies equal.
+each efficiency comes from; tests/unit/parallel/test_plan_time.py holds the two copies equal.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Each row is one published configuration (shape, GPUs, transport) as far as its source states it; what
 a source leaves out is taken from the matching recipe here and marked "assumed" in `config`. docs/
-cluster.md ("Validation") is `render_table()`'s output; tests/unit/test_plan_time.py holds the two
+cluster.md ("Validation") is `render_table()`'s output; tests/unit/parallel/test_plan_time.py holds the two
 equal and every in-band ratio inside BAND.
 """
 from __future__ import annotations

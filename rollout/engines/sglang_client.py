@@ -40,7 +40,7 @@ import torch
 log = logging.getLogger(__name__)
 FINISH_TYPES = ("stop", "length", "abort")
 
-# Everything this client uses of SGLang's protocol. tests/unit/test_sglang_contract.py checks each
+# Everything this client uses of SGLang's protocol. tests/unit/rollout/engines/test_sglang_contract.py checks each
 # entry against the pinned SGLang's http_server.py (routes), io_struct.py (request structs),
 # sampling_params.py and the meta_info keys its tokenizer manager writes, and checks that the client
 # sends nothing beyond this table.

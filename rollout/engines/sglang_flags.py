@@ -1,8 +1,8 @@
 """The flags `python -m sglang.launch_server` (SGLang 0.5.23) accepts, and the check of rollout.engine_args.
 
 sglang_flags.json maps every flag to [arity, destination field]; arity is 0 (a switch), 1, "?", "*" or
-"+" as argparse reads it. It is generated from the wheel's source by tests/unit/sglang_cli.py, and
-tests/unit/test_sglang_contract.py fails when the two differ, so a pinned-version bump regenerates it.
+"+" as argparse reads it. It is generated from the wheel's source by tests/support/sglang_cli.py, and
+tests/unit/rollout/engines/test_sglang_contract.py fails when the two differ, so a pinned-version bump regenerates it.
 SGLang itself is never imported: it is absent on CPU machines and on the host that renders a job.
 """
 from __future__ import annotations

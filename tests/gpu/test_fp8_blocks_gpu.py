@@ -1,5 +1,5 @@
 """Block-FP8 weight updates on a GPU (issue 17.1). The trainer quantizes on its GPU, so the bytes it sends
-must be the bytes the CPU tests pin (tests/unit/test_fp8_blocks.py, test_sglang_contract_fp8.py); and the
+must be the bytes the CPU tests pin (tests/unit/rollout/weights/test_fp8_blocks.py, test_sglang_contract_fp8.py); and the
 wire format (float8_e4m3fn in 128x128 blocks, a float32 scale that *multiplies*) must compute, in Hopper's
 FP8 tensor-core GEMM, what the dequantized bf16 weight computes. SGLang's block GEMM does per block what
 the loop below does with torch._scaled_mm. CUDA only (auto-skipped elsewhere by tests/conftest.py).

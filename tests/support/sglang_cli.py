@@ -10,7 +10,7 @@ SGLang builds its parser from annotated namespace fields (arg_groups/arg_utils.p
   `type_parser` -> its nargs or "+"; `bool` -> 0 (store_true); anything else -> its nargs or 1.
 
 Run as a script it prints the table rollout/engines/sglang_flags.json holds:
-`.venv/bin/python tests/unit/sglang_cli.py > rollout/engines/sglang_flags.json`.
+`.venv/bin/python tests/support/sglang_cli.py > rollout/engines/sglang_flags.json`.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from .errors import ConfigError
 def doc(default, text: str, bounds: str = ""):
     """A dataclass field with a default, a docstring and the values check() accepts, shown by
     --help-recipe: ``bounds`` is ">= 1", "> 0", or an interval such as "[0, 1]" or "(0, 1]" (None,
-    where the type allows it, means unset). tests/unit/test_recipe_help.py holds check() to it."""
+    where the type allows it, means unset). tests/unit/core/test_recipe_help.py holds check() to it."""
     meta = {"doc": text, "bounds": bounds} if bounds else {"doc": text}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)

@@ -138,7 +138,7 @@ def _glm5_input(gpus, **options):
 
 
 def test_750b_slime_layout_fits_256_h100_trainers_with_offload_and_swap():
-    """slime's bf16 layout (EP32); the recipe trains in FP8 at EP64 (tests/unit/test_plan_time.py says why)."""
+    """slime's bf16 layout (EP32); the recipe trains in FP8 at EP64 (tests/unit/parallel/test_plan_time.py says why)."""
     inp = _glm5_input(320, optimizer_offload=True, critic_placement="swap")
     inp = replace(inp, layout=Layout(tp=4, pp=4, cp=2, ep=32, etp=1), train=replace(inp.train, fp8="none"))
     plan = make_plan(inp)

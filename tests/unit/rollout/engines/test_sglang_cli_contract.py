@@ -19,7 +19,7 @@ def test_committed_flag_table_is_the_wheels(wheel_table):
     committed = sglang_flags()
     changed = sorted(f for f in set(wheel_table) | set(committed) if wheel_table.get(f) != committed.get(f))
     assert not changed, (f"rollout/engines/sglang_flags.json differs from the wheel for {changed[:10]}: regenerate it with "
-                         "`.venv/bin/python tests/unit/sglang_cli.py > rollout/engines/sglang_flags.json`")
+                         "`.venv/bin/python tests/support/sglang_cli.py > rollout/engines/sglang_flags.json`")
 
 
 def test_the_table_reads_the_parser_rules(wheel_table):

@@ -1,6 +1,6 @@
 """Contract: what the block-FP8 sender (rollout/weights/fp8_blocks.py) assumes about SGLang 0.5.23.
 
-Read from the pinned wheel's sources (tests/unit/sglang_wheel.py: downloaded once into
+Read from the pinned wheel's sources (tests/support/sglang_wheel.py: downloaded once into
 build/sglang_wheel/, SGLang never imported; as the other contract tests, an unreachable registry
 fails the test rather than skipping it). Two small pure-torch functions of SGLang are compiled from
 that text and run against ours: its block dequantization (the scale convention) and its dotted

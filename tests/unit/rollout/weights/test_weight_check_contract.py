@@ -1,6 +1,6 @@
 """Contract: rollout/weights/checksum.py computes what SGLang 0.5.23's /weights_checker computes.
 
-Reads the pinned wheel (build/sglang_wheel/, downloaded by tests/unit/test_sglang_contract.py) as
+Reads the pinned wheel (build/sglang_wheel/, downloaded by tests/unit/rollout/engines/test_sglang_contract.py) as
 text; SGLang is never imported. Pure functions (the CPU tensor hash, the hex formatting, the per-GPU
 checksum, the triton hash's finaliser) are executed from their own source on our inputs and must
 agree with ours; the triton kernel's constants and the reply layout are pinned from the source text.
@@ -27,7 +27,7 @@ CACHE = Path(__file__).resolve().parents[4] / "build" / "sglang_wheel"
 def source():
     wheels = sorted(CACHE.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
     if not wheels:
-        pytest.skip("the SGLang wheel is not cached: run tests/unit/test_sglang_contract.py (it downloads it)")
+        pytest.skip("the SGLang wheel is not cached: run tests/unit/rollout/engines/test_sglang_contract.py (it downloads it)")
     with zipfile.ZipFile(wheels[-1]) as wheel:
         files = {n: wheel.read(n).decode() for n in wheel.namelist()
                  if n.startswith(("sglang/srt/", "sglang/kernels/ops/memory/")) and n.endswith(".py")}
