@@ -1,10 +1,10 @@
-"""Micro-batches chosen by a token budget, and the global token count the loss divides by.
+"""How a micro-batch's rows sit in the model's input: the padding multiple and the packed layout.
 
-A micro-batch is a TrainBatch of right-padded rows; its cost is rows x padded length. Rows are
-taken in order (no reordering, so results map back to the caller's rows) and a new micro-batch
-starts when adding a row would exceed the budget. The padded length is rounded up to a multiple of
-`seq_multiple(...)`: the splits of the sequence over ranks must be even, and FP8 GEMMs need whole
-blocks of tokens.
+The micro-batches themselves are made by the trainer (sao_megatron/trainer/batching.py `pack_samples`:
+rows by token budget, and the action-token counts the loss divides by). Here: `seq_multiple`, the
+multiple every padded sequence length must be (the splits of the sequence over ranks must be even, and
+FP8 GEMMs need whole blocks of tokens), `pad_seq` to reach it, and `PackedLayout`, the rows of a
+micro-batch back to back in one row (parallel.pack_sequences).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from sao_megatron.core.records import TrainBatch, action_counts
+from sao_megatron.core.records import TrainBatch
 
 _ROW_FIELDS = ("tokens", "lengths", "loss_mask", "rollout_logprobs", "advantages", "returns", "weight_versions",
                "old_logprobs", "ref_logprobs", "old_values", "routed_experts", "indexer_topk")
@@ -74,42 +74,6 @@ def pad_seq(batch: TrainBatch, seq_multiple: int) -> TrainBatch:
     if seq == batch.tokens.shape[1]:
         return batch
     return slice_rows(batch, slice(None), seq)
-
-
-def split_by_token_budget(batch: TrainBatch, budget: int, seq_multiple: int = 1) -> list[TrainBatch]:
-    """Consecutive rows grouped so rows x padded_len <= budget (a single longer row stands alone)."""
-    if budget <= 0:
-        raise ValueError(f"parallel.micro_batch_tokens = {budget}; use a positive token budget")
-    lengths = batch.lengths.tolist()
-    groups, start, longest = [], 0, 0
-    for i, n in enumerate(lengths):
-        cand = round_up(max(longest, n), seq_multiple)
-        if i > start and cand * (i - start + 1) > budget:
-            groups.append((start, i, round_up(longest, seq_multiple)))
-            start, longest = i, 0
-        longest = max(longest, n)
-    if lengths:
-        groups.append((start, len(lengths), round_up(longest, seq_multiple)))
-    return [slice_rows(batch, slice(a, b), max(seq, seq_multiple)) for a, b, seq in groups]
-
-
-def local_num_tokens(batches: list[TrainBatch]) -> float:
-    """Action tokens (loss_mask sum) in these micro-batches (records.action_counts counts them)."""
-    return action_counts(batches)[0]
-
-
-def with_global_counts(batches: list[TrainBatch], group=None) -> list[TrainBatch]:
-    """Set global_num_tokens / global_num_seqs on every micro-batch: records.action_counts summed over
-    every DP rank of `group` (default: Megatron's DP group), so all ranks agree on them."""
-    from .distributed import comm_device
-
-    counts = torch.tensor(action_counts(batches), dtype=torch.float64, device=comm_device())
-    if torch.distributed.is_initialized():
-        from megatron.core import parallel_state
-
-        torch.distributed.all_reduce(counts, group=group or parallel_state.get_data_parallel_group())
-    tokens, seqs = counts.tolist()
-    return [replace(b, global_num_tokens=tokens, global_num_seqs=seqs) for b in batches]
 
 
 class PackedLayout:

@@ -54,7 +54,7 @@ def local_token_routes(routes: torch.Tensor, tp_rank: int, tp_size: int, sequenc
     if sequence_parallel and tp_size > 1:
         if seq % tp_size:
             raise ValueError(f"sequence length {seq} is not a multiple of tp={tp_size}; pad micro-batches "
-                             f"to a multiple of tp (packing.split_by_token_budget seq_multiple)")
+                             f"to a multiple of tp (packing.seq_multiple, packing.pad_seq)")
         chunk = seq // tp_size
         routes = routes[tp_rank * chunk:(tp_rank + 1) * chunk]
     return routes.reshape(-1, *routes.shape[2:])

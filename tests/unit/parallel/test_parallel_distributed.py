@@ -1,4 +1,4 @@
-"""Rank discovery (torchrun / mpirun / srun), the test spawner's failure paths, micro-batch packing."""
+"""Rank discovery (torchrun / mpirun / srun) and the test spawner's failure paths."""
 from __future__ import annotations
 
 import time
@@ -7,8 +7,6 @@ import pytest
 import torch
 
 from parallel.distributed import DistributedTestError, detect_rank_env, run_distributed_test
-from parallel.layout_check import fixed_batches
-from parallel.packing import local_num_tokens, split_by_token_budget
 
 
 @pytest.mark.parametrize("env, expect", [
@@ -51,17 +49,3 @@ def test_failing_rank_traceback_is_raised_not_hung():
 def test_stuck_rank_is_killed_after_timeout():
     with pytest.raises(DistributedTestError, match=r"ranks \[0\] did not finish within 15s"):
         run_distributed_test(_sleep_forever, world_size=1, timeout_s=15)
-
-
-def test_split_by_token_budget_keeps_rows_and_budget():
-    batch = fixed_batches(105, num=1, rows=6, seq=16)[0]
-    parts = split_by_token_budget(batch, budget=40, seq_multiple=2)
-    assert sum(p.num_rows for p in parts) == 6
-    assert all(p.tokens.shape[0] * p.tokens.shape[1] <= 40 or p.num_rows == 1 for p in parts)
-    assert all(p.tokens.shape[1] % 2 == 0 and p.tokens.shape[1] >= int(p.lengths.max()) for p in parts)
-    rows = [(p.tokens[r], int(p.lengths[r])) for p in parts for r in range(p.num_rows)]
-    for i, (tokens, n) in enumerate(rows):  # same rows, same order, real tokens untouched
-        assert n == int(batch.lengths[i]) and torch.equal(tokens[:n], batch.tokens[i, :n])
-    assert local_num_tokens(parts) == float(batch.loss_mask.sum())
-    with pytest.raises(ValueError, match="micro_batch_tokens"):
-        split_by_token_budget(batch, budget=0)

@@ -9,7 +9,7 @@ import torch
 
 from parallel import layout_check as lc
 from parallel.context_parallel import ContextParallel, local_positions, restore_order, split_for_rank
-from parallel.packing import seq_multiple, split_by_token_budget
+from parallel.packing import pad_seq, seq_multiple
 from parallel.schedule import context_local
 from sao_megatron.core.config import ConfigError, load_recipe
 
@@ -32,9 +32,10 @@ def test_seq_multiple(kw, multiple):
 
 def test_fp8_micro_batches_have_whole_blocks_of_tokens():
     batch = lc.fixed_batches(105, num=1, rows=3, seq=21)[0]          # 21 positions: odd, as a real batch is
-    for part in split_by_token_budget(batch, budget=64, seq_multiple=seq_multiple(fp8="delayed")):
-        assert part.tokens.shape[1] % 16 == 0 and part.tokens.shape[1] >= int(part.lengths.max())
-        assert float(part.loss_mask[:, 21:].abs().sum()) == 0.0       # padding carries no loss
+    padded = pad_seq(batch, seq_multiple(fp8="delayed"))
+    assert padded.tokens.shape == (3, 32) and torch.equal(padded.tokens[:, :21], batch.tokens)
+    assert float(padded.loss_mask[:, 21:].abs().sum()) == 0.0         # padding carries no loss
+    assert pad_seq(padded, 16) is padded                               # whole blocks already: unchanged
 
 
 def test_local_positions_follow_megatrons_load_balanced_chunks():
