@@ -95,7 +95,7 @@ class RolloutDriver(EngineHealth, StalenessControl):
         self._tasks: dict[str, asyncio.Task] = {}
         self._load = {n: 0 for n in names}
         self._dead: set[str] = set()
-        self._restarting: set[str] = set()           # engine_health.py: restarts in progress
+        self._restarting: set[str] = set()           # engines/health.py: restarts in progress
         self._awaiting_weights: set[str] = set()     # restarted, kept out until a weight update
         self._versions = {n: 0 for n in names}       # engine version as last known by the driver
         self._current_version = 0
@@ -214,7 +214,7 @@ class RolloutDriver(EngineHealth, StalenessControl):
         for engine in live:
             self._versions[engine.name] = (version if version is not None
                                            else await self._control(engine, engine.weight_version()))
-        # No request may reuse KV of the old weights: new namespace; flushed unless paused in place (engine.py).
+        # No request may reuse KV of the old weights: new namespace; flushed unless paused in place (engines/engine.py).
         flush = mode != "in_place"
         await asyncio.gather(*(self._control(e, settle_prefix_cache(e, self._versions[e.name], flush)) for e in live))
         await asyncio.gather(*(self._control(e, e.resume()) for e in live))

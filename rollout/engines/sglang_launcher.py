@@ -1,6 +1,6 @@
 """Start and stop real SGLang servers (`python -m sglang.launch_server`) for a recipe's engines.
 
-`build_sglang_command` is pure (unit-tested on the flags it emits; tests/unit/test_sglang_cli_contract.py
+`build_sglang_command` is pure (unit-tested on the flags it emits; tests/unit/rollout/engines/test_sglang_cli_contract.py
 parses every flag it renders with SGLang 0.5.23's own parser rules, rollout/engines/sglang_flags.py). `launch_sglang` needs CUDA and an SGLang install
 (`pip install "sglang==0.5.23"`, the `gpu` extra); its start is exercised by tests/gpu.
 

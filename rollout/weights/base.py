@@ -6,7 +6,7 @@ window has one owner, the driver rank of the trainer (sao_megatron/trainer/weigh
 driver pauses the engines (RolloutDriver.weight_update), `update_session()` opens the engines'
 weight-update session (broadcast and shard writes: SGLang 0.5.23 refuses distributed updates outside one),
 every sender pushes, the session closes, and the driver settles each prefix cache
-(rollout.engine.settle_prefix_cache) and resumes. `push` itself never pauses or resumes, so with several
+(rollout.engines.engine.settle_prefix_cache) and resumes. `push` itself never pauses or resumes, so with several
 senders (per-stage, shares) each engine gets ONE pause and ONE session around every sender's push.
 `settle_caches` settles idle engines when nothing was paused (at resume). Nothing here calls /health (it
 generates a token, and waits while the engines are paused): liveness is /model_info

@@ -1,7 +1,7 @@
 """The weight-receiving role of a rollout server: what weight sync needs from it.
 
 `SGLangEngine` implements it over SGLang's HTTP protocol (docs/engines.md), beside the generation role
-(`rollout.engine.Generator`); `LoopbackEngine` (loopback_engine.py) implements only this role. Every
+(`rollout.engines.engine.Generator`); `LoopbackEngine` (loopback_engine.py) implements only this role. Every
 call here answers while the engine is paused: the caller (the driver's update window) holds the pause.
 """
 from __future__ import annotations
@@ -58,7 +58,7 @@ class WeightReceiver(abc.ABC):
     async def update_weights_from_disk(self, model_path: str, weight_version: int, flush_cache: bool = True) -> None:
         """Load HF shards from `model_path`. SGLang refuses flush_cache=True while requests paused in
         place hold KV; weight sync sends False and the update window settles the cache
-        (rollout.engine.settle_prefix_cache)."""
+        (rollout.engines.engine.settle_prefix_cache)."""
 
     @abc.abstractmethod
     async def get_weights_by_name(self, name: str) -> torch.Tensor: ...
