@@ -11,15 +11,19 @@ the rollout driver pauses and resumes the engines (the one owner of pause/resume
 | plan.py | `plan_weight_update`: each trainer rank's `SenderRole` (none, rank 0, stage, share), torch-free |
 | base.py | `WeightSync` (the seam), the engine-facing base classes, `settle_caches`, `sender_address` |
 | broadcast.py | `BroadcastWeightSync` (nccl or gloo): every engine rank receives every byte |
-| shard_writes.py | `ShardWriteSync`: every engine TP rank receives only its slice (shard_plan.py, shard_wire.py) |
+| shard_writes.py | `ShardWriteSync`: every engine TP rank receives only its slice |
+| shard_plan.py | which slice of an HF tensor each engine TP rank holds (SGLang's layer split) |
+| shard_wire.py | the messages of shard writes between one sender and one engine TP rank |
 | disk.py | `DiskWeightSync`: HF shards on disk, loaded by every engine |
 | factory.py | `build_weight_sync`: the transport named by weight_sync.method for one role |
 | buckets.py | the flattened-bucket payload and the sender side of a weight-update group |
 | calls.py | labelled concurrent engine calls under one timeout (`run_all`, `PushError`), daemon-thread collectives |
-| fp8_blocks.py, fp8_checkpoint.py | block-FP8 quantization for FP8 engines |
+| fp8_blocks.py | block-FP8 quantization of the weights an FP8 engine receives |
+| fp8_checkpoint.py | the block-FP8 checkpoint an FP8 engine starts from (`sao convert hf-to-fp8`) |
 | receiver.py | `WeightReceiver`: what weight sync needs from an engine (SGLangEngine implements it) |
 | loopback_engine.py | `LoopbackEngine`: a WeightReceiver in a child process (bench, tests) |
 | check.py | `check_weight_update_equal` (weight_sync.check_equal): engine checksums vs the trainer's |
+| checksum.py | SGLang's /weights_checker tensor checksums, reproduced (CPU and GPU forms) |
 
 The HF export and the name map stay in checkpoints/ (this package imports them; checkpoints imports
 nothing of rollout: the layers contract in pyproject.toml).
