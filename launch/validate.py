@@ -12,11 +12,12 @@ of minutes or hours later when the job's `sao train` starts. Split by what the s
   also for `sao plan`: this checkout is the code the job runs (the script cds to it).
 - imports (rollout.reward_fn, a custom algorithm.loss): every mode, unless --no-check: the job's
   environment (launch.container, launch.python) may hold a module the submit host lacks.
-- paths and files (model.path's config.json against the layout, rollout.dataset, eval files,
-  checkpoint.resume, run.debug_dir, a writable run.output_dir): when the job is written or submitted,
-  not for --dry-run (a preview, e.g. of a cluster recipe on a laptop). The written job already needs
-  storage shared with the nodes (they read the resolved recipe it writes); --no-check skips these for
-  paths that exist only on compute nodes (node-local staging) or inside the container.
+- paths and files (model.path's config.json against the layout and the weight-sync sender's memory,
+  rollout.dataset, eval files, checkpoint.resume, run.debug_dir, a writable run.output_dir): when the
+  job is written or submitted, not for --dry-run (a preview, e.g. of a cluster recipe on a laptop). The
+  written job already needs storage shared with the nodes (they read the resolved recipe it writes);
+  --no-check skips these for paths that exist only on compute nodes (node-local staging) or inside the
+  container.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import math
 import re
 from pathlib import Path
 
+from rollout.weights.memory import check_sender_memory
 from sao_megatron.core.config import ConfigError
 from sao_megatron.core.config.installed import (AGENTIC_EVALS, check_importable, check_model_presets, check_task,
                                                 custom_import_path)
@@ -78,6 +80,7 @@ def check_on_submit_host(recipe, *, files: bool, environment: bool = True) -> No
         check_imports(recipe)
         if files:
             recipe.check(check_files=True)
+            check_sender_memory(recipe)   # weight_sync.max_sender_mb against model.path's config.json
     except ConfigError as err:
         if err.field not in HOST_DEPENDENT:   # e.g. the model's heads against parallel.tp: wrong anywhere
             raise

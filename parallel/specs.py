@@ -22,19 +22,12 @@ from checkpoints.arch.glm5 import indexer_types
 from checkpoints.arch.megatron_parts import rope_theta
 
 from sao_megatron.core.dims import ParallelDims
-
-VOCAB_PAD_MULTIPLE = 128
+from sao_megatron.core.shape import VOCAB_PAD_MULTIPLE, padded_vocab_size   # one rule: the sender's memory reads it too
 
 
 def arch_of(hf: Mapping[str, Any]) -> str:
     """The registered family name of an HF config dict (SpecError for an unsupported model_type)."""
     return family_of_config(hf).name
-
-
-def padded_vocab_size(vocab: int, tp: int) -> int:
-    """Pad to a multiple of 128 (or 128*tp when tp does not divide 128) so every TP shard is equal."""
-    multiple = VOCAB_PAD_MULTIPLE if VOCAB_PAD_MULTIPLE % tp == 0 else VOCAB_PAD_MULTIPLE * tp
-    return -(-vocab // multiple) * multiple
 
 
 def use_transformer_engine(impl: str = "auto") -> bool:

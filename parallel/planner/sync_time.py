@@ -133,7 +133,7 @@ def sync_time(inp, transport: str = "broadcast", bucket_bytes: float = 2 ** 30, 
 @dataclass(frozen=True)
 class SenderMemory:
     """Bytes a weight-sync sender holds on its GPU during a sync, beyond its own model shards: what the
-    streamed export and the recipe's send method need (sao_megatron/core/config/sender_budget.py),
+    streamed export and the recipe's send method need (rollout/weights/memory.py),
     capped by weight_sync.max_sender_mb (a recipe whose bound is below the need is refused: `refused`)."""
 
     buffers: float    # flat payloads of max(bucket, largest tensor): two (broadcast), two per lane (shard_writes)
@@ -161,7 +161,7 @@ def sender_memory(inp, bucket_bytes: float, bound: float = float("inf")) -> Send
     first HF name and sent in buckets (or shards, or per-rank slices), so the sender holds flat buffers,
     buckets and about three times the largest tensor, whatever the stage's size; in the trainer's dtype
     (the export's)."""
-    from sao_megatron.core.config.sender_budget import sender_need
+    from rollout.weights.memory import sender_need
 
     element_bytes = 4 if inp.train.dtype == "fp32" else 2
     targets = max((inp.rollout_gpus or inp.gpus) // max(inp.engine.tp, 1), 1) * inp.engine.tp

@@ -9,6 +9,7 @@ the rollout driver pauses and resumes the engines (the one owner of pause/resume
 | module | what |
 |---|---|
 | plan.py | `plan_weight_update`: each trainer rank's `SenderRole` (none, rank 0, stage, share), torch-free |
+| memory.py | the sender's memory during a push and the weight_sync.max_sender_mb check, torch-free |
 | base.py | `WeightSync` (the seam), the engine-facing base classes, `settle_caches`, `sender_address` |
 | broadcast.py | `BroadcastWeightSync` (nccl or gloo): every engine rank receives every byte |
 | shard_writes.py | `ShardWriteSync`: every engine TP rank receives only its slice |
@@ -28,14 +29,27 @@ the rollout driver pauses and resumes the engines (the one owner of pause/resume
 The HF export and the name map stay in checkpoints/ (this package imports them; checkpoints imports
 nothing of rollout: the layers contract in pyproject.toml).
 """
-from .base import WeightSync, settle_caches
-from .broadcast import BroadcastWeightSync
-from .calls import PushError
-from .check import WeightMismatchError, check_weight_update_equal
-from .disk import DiskWeightSync
-from .factory import build_weight_sync
-from .plan import SenderRole, WeightPlan, plan_weight_update
-from .receiver import WeightReceiver
+from __future__ import annotations
+
+import importlib
+
+# Public name -> the module that defines it. Imported on first use, so that the torch-free modules
+# (plan.py, memory.py) load without torch: `sao plan` and the recipe checks read them.
+_HOMES = {"WeightSync": "base", "settle_caches": "base", "BroadcastWeightSync": "broadcast", "PushError": "calls",
+          "WeightMismatchError": "check", "check_weight_update_equal": "check", "DiskWeightSync": "disk",
+          "build_weight_sync": "factory", "SenderRole": "plan", "WeightPlan": "plan", "plan_weight_update": "plan",
+          "WeightReceiver": "receiver"}
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))
+
 
 __all__ = ["WeightReceiver", "WeightSync", "BroadcastWeightSync", "DiskWeightSync", "build_weight_sync",
            "settle_caches", "check_weight_update_equal", "WeightMismatchError", "PushError", "SenderRole",

@@ -18,7 +18,7 @@ from .receiver import WeightReceiver
 class DiskWeightSync(EngineSync):
     """HF shards under disk_dir/v<version>, loaded by every engine; older versions are deleted.
     Shards of weight_sync.bucket_mb (a larger tensor alone): the sender holds one shard at a time
-    (weight_sync.max_sender_mb counts it, sender_budget.py).
+    (weight_sync.max_sender_mb counts it, memory.py).
     No session (SGLang's disk load needs none, and end_weight_update after it would post-process the
     loaded weights a second time); flush_cache=False, the window settles the cache."""
 

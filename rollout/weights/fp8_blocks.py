@@ -38,13 +38,13 @@ from typing import Iterable, Iterator
 
 import torch
 
-BLOCK = (128, 128)
+from . import memory
+
+BLOCK = (memory.FP8_BLOCK, memory.FP8_BLOCK)
 E4M3_MAX = 448.0                  # torch.finfo(torch.float8_e4m3fn).max
 SCALE_SUFFIX = "_scale_inv"       # `X.weight` -> `X.weight_scale_inv`
 WIRE_DTYPE = torch.float8_e4m3fn
 SCALE_DTYPE = torch.float32
-TEMP_BYTES = 8                    # float32 bytes per element the quantizer holds at once (two float32 copies)
-CHUNK_TEMP_BYTES = 64 * 2 ** 20   # bound on those temporaries unless one block row is larger (sender_budget.py)
 
 # HF names of the linear weights SGLang quantizes in a block-FP8 model of our families
 # (Qwen3-MoE, GLM-4.5, GLM-5 / DeepSeek-V3 MLA); group "module" is the module prefix.
@@ -65,16 +65,16 @@ def quantize_block_fp8(weight: torch.Tensor, block: tuple[int, int] = BLOCK,
                        max_temp_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q float8_e4m3fn [n, k], scale float32 [ceil(n/bn), ceil(k/bk)]) with weight ~= q * scale per block.
 
-    Chunks of whole block rows, so the float32 temporaries (TEMP_BYTES per element: the float32 copy and
-    its quotient, or its abs) stay within max(max_temp_bytes, one block row) (default CHUNK_TEMP_BYTES),
-    as the weight-sync sender's bound counts them (sao_megatron/core/config/sender_budget.py). No block
-    straddles a chunk, so q and scale are the bytes one pass over the whole tensor makes."""
+    Chunks of whole block rows, so the float32 temporaries (memory.FP8_TEMP_BYTES per element: the float32
+    copy and its quotient, or its abs) stay within max(max_temp_bytes, one block row) (default
+    memory.FP8_TEMP_CHUNK), as the weight-sync sender's bound counts them (memory.py, read at each call).
+    No block straddles a chunk, so q and scale are the bytes one pass over the whole tensor makes."""
     if weight.dim() != 2:
         raise ValueError(f"block FP8 needs a 2-D weight, got shape {tuple(weight.shape)}")
     (n, k), (bn, bk) = weight.shape, block
     rows, cols = -(-n // bn), -(-k // bk)
-    budget = CHUNK_TEMP_BYTES if max_temp_bytes is None else max_temp_bytes
-    step = max(1, int(budget // (TEMP_BYTES * bn * cols * bk)))
+    budget = memory.FP8_TEMP_CHUNK if max_temp_bytes is None else max_temp_bytes
+    step = max(1, int(budget // (memory.FP8_TEMP_BYTES * bn * cols * bk)))
     q = torch.empty(n, k, dtype=WIRE_DTYPE, device=weight.device)
     scale = torch.empty(rows, cols, dtype=SCALE_DTYPE, device=weight.device)
     for r in range(0, rows, step):
@@ -172,7 +172,7 @@ def quantize_stream(named: Iterable[tuple[str, torch.Tensor]], layout: Fp8Layout
                     max_temp_bytes: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Each FP8-held weight becomes (name, float8 blocks) immediately followed by (name_scale_inv,
     float32 scales); every other tensor passes unchanged (bf16 as exported). The quantizer's float32
-    temporaries stay within max(max_temp_bytes, one block row) (quantize_block_fp8; default CHUNK_TEMP_BYTES)."""
+    temporaries stay within max(max_temp_bytes, one block row) (quantize_block_fp8; default memory.FP8_TEMP_CHUNK)."""
     for name, tensor in named:
         if not layout.holds_fp8(name):
             yield name, tensor

@@ -100,8 +100,8 @@ def _role(rank: int, turns: str, stage: int, index: int, tp: int) -> SenderRole:
 
 def plan_from_recipe(recipe, world_size: int, hf: dict | None = None) -> WeightPlan:
     """The plan of a recipe's run; with the model's config.json (`hf`) it carries the sender's memory need
-    (sao_megatron/core/config/sender_budget.py, the rule weight_sync.max_sender_mb is checked against)."""
-    from sao_megatron.core.config.sender_budget import recipe_sender_need
+    (memory.py, the rule weight_sync.max_sender_mb is checked against)."""
+    from .memory import recipe_sender_need
 
     roll = recipe.rollout
     engines = len(roll.engine_urls) or roll.num_engines

@@ -4,9 +4,9 @@ A broadcast sends every byte to every engine rank: an engine of N GPUs takes in 
 Here the engine ranks are split among `senders` lanes; lane k forms its own group (k's thread is
 rank 0, its engine ranks 1..) and sends each of its ranks, in buckets, the slice that rank holds
 (shard_plan.py), over the wire of shard_wire.py. Memory: the export streams; a lane holds two flat
-buffers, QUEUE_DEPTH queued buckets and the one it flattens, and each of its ranks one pending bucket
-of copied slices (a tensor above the bucket alone), which weight_sync.max_sender_mb counts
-(sao_megatron/core/config/sender_budget.py). The lanes run in parallel, each on its own group,
+buffers, SHARD_QUEUE_DEPTH queued buckets and the one it flattens, and each of its ranks one pending
+bucket of copied slices (a tensor above the bucket alone), which weight_sync.max_sender_mb counts
+(memory.py). The lanes run in parallel, each on its own group,
 so the ranks of one engine receive at once instead of one broadcast after another. In a multi-rank
 trainer every rank runs one ShardWriteSync: its export yields (name, tensor, (i, n)) for the tensors
 its TP group gathered, and holder i of n serves the engine-rank slots equal to i mod n, so a tensor
@@ -35,14 +35,13 @@ from rollout.engines.engine import EngineError
 from sao_megatron.core.backends import resolve_backend
 from sao_megatron.core.ports import free_port
 
+from . import memory
 from .base import SessionSync, engine_ranks, sender_address
 from .buckets import Bucket, create_sender_group
 from .calls import in_daemon_thread, payload_device, pinned, run_all
 from .receiver import WeightReceiver
 from .shard_plan import shard_of
 from .shard_wire import CLOSE, END, recv_ack, send_bucket, send_control
-
-QUEUE_DEPTH = 2     # buckets a lane may have sliced ahead of its wire (sender_budget.SHARD_QUEUED counts them + 1)
 
 
 @dataclass(frozen=True)
@@ -82,7 +81,7 @@ class _Lane:
 
     def start_push(self, bucket_bytes: int, timeout_s: float) -> None:
         self.bucket_bytes, self.timeout_s = bucket_bytes, timeout_s
-        self.queue: queue.Queue = queue.Queue(maxsize=QUEUE_DEPTH)
+        self.queue: queue.Queue = queue.Queue(maxsize=memory.SHARD_QUEUE_DEPTH)   # memory.py counts these + 1
         self.pending = [Bucket([], []) for _ in self.targets]
         self.sent = [0] * len(self.targets)
         self.failed = threading.Event()

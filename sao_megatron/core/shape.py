@@ -4,7 +4,9 @@ It lives in the bottom layer because the recipe check (core/config) validates a 
 model's config.json and may not import the architecture registry. `shape_from_hf` reads any HF
 config dict by key names alone; checkpoints.arch.arch_shape adds what only the family knows (its
 name, how many leading layers are dense). A key missing from a partial config reads as 0, and a
-layout rule whose count is 0 is skipped (ParallelDims.validate).
+layout rule whose count is 0 is skipped (ParallelDims.validate). `padded_vocab_size` is the trainer's
+vocabulary padding, here so that the model build (parallel/specs.py) and the weight-sync sender's memory
+rule (rollout/weights/memory.py) read one rule.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any, Mapping
 # Routed-expert counts under their HF names: DeepSeek/GLM name the routed count explicitly
 # (shared experts are separate), Qwen3-MoE calls it num_experts, Mixtral num_local_experts.
 EXPERT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
+VOCAB_PAD_MULTIPLE = 128   # the trainer's embedding and head rows: the vocabulary padded up to a multiple
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,13 @@ def routed_experts(hf: Mapping[str, Any]) -> int:
         if hf.get(key):
             return int(hf[key])
     return 0
+
+
+def padded_vocab_size(vocab: int, tp: int) -> int:
+    """Pad to a multiple of 128 (or 128*tp when tp does not divide 128) so every TP shard is equal: the
+    rows parallel/model_build.py builds and the weight-sync sender gathers (rollout/weights/memory.py)."""
+    multiple = VOCAB_PAD_MULTIPLE if VOCAB_PAD_MULTIPLE % tp == 0 else VOCAB_PAD_MULTIPLE * tp
+    return -(-vocab // multiple) * multiple
 
 
 def is_mla(hf: Mapping[str, Any]) -> bool:

@@ -25,9 +25,12 @@ def train_from_recipe(recipe: Recipe) -> int:
         from .sft import check_sft_data
 
         check_sft_data(recipe)   # a recipe refused for its SFT data creates nothing, run dir included
+    from rollout.weights.memory import check_sender_memory
+
     from .engines import check_engine_can_take_updates
 
     check_engine_can_take_updates(recipe)   # likewise a refused FP8 engine checkpoint (ranks check it again)
+    check_sender_memory(recipe)   # weight_sync.max_sender_mb against model.path's config.json
     lock_if_first_rank(recipe)   # before anything is written: a second run into a live run dir touches nothing
     run_dir = prepare_run_dir(recipe)
     from sao_megatron.core.processes import reap_descendants_at_exit

@@ -166,15 +166,14 @@ class Recipe:
 
 
 def check_model_fits_layout(recipe: Recipe, hf: dict) -> None:
-    """The layout against the model's HF config.json (heads, experts, layers: core/dims.py), and the length."""
+    """The layout against the model's HF config.json (heads, experts, layers: core/dims.py), and the length.
+    The weight-sync sender's memory against it is checked above this layer, where a run starts
+    (rollout/weights/memory.py check_sender_memory: `sao train`, `sao launch`)."""
     from ..dims import ParallelDims
     from ..shape import shape_from_hf
 
     world = recipe.parallel.resolved_world_size()
     ParallelDims.from_config(recipe.parallel, world).validate(world, shape_from_hf(hf))
-    from .sender_budget import check_sender_budget
-
-    check_sender_budget(recipe, hf)   # weight_sync.max_sender_mb against the streamed export's need
     if recipe.model.max_seq_len > hf.get("max_position_embeddings", 1 << 30):
         raise ConfigError("model.max_seq_len", f"{recipe.model.max_seq_len} exceeds the model's "
                           f"max_position_embeddings {hf['max_position_embeddings']}", "lower model.max_seq_len")

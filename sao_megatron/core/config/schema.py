@@ -228,8 +228,8 @@ class WeightSyncConfig:
     max_sender_mb: float = doc(
         32768.0, "Bound on what a weight sender holds during a push beyond its model shards, for every method "
         "(broadcast, shard_writes lanes, disk shards; flat buffers, buckets, the tensor being gathered, FP8 "
-        "quantizing); the recipe check refuses one below what streaming needs for the model and method "
-        "(docs/weights.md, Sender memory).", bounds="> 0")
+        "quantizing); `sao train` and `sao launch` refuse one below what streaming needs for the model and "
+        "method (rollout/weights/memory.py; docs/weight-transports.md, Sender memory).", bounds="> 0")
     senders: Literal["per_stage", "driver"] = doc(
         "per_stage", "broadcast with pipeline parallelism: each stage's first rank sends its own layers "
         "on its own group (per_stage), or every stage gathers to rank 0, the one sender (driver).")

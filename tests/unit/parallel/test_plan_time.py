@@ -159,7 +159,7 @@ def test_750b_sharded_sync_is_near_the_2s_goal_and_broadcast_near_a_minute_or_mo
 
 
 def test_sender_memory_is_in_the_plan_streamed_and_bounded_by_max_sender_mb():
-    from sao_megatron.core.config.sender_budget import fp8_quantize_bytes, largest_tensor_elements
+    from rollout.weights.memory import fp8_quantize_bytes, largest_tensor_elements
 
     inp = _recipe_input("glm5_750b_a40b.toml")
     assert inp.engine.fp8_weights and inp.sync_method == "broadcast"

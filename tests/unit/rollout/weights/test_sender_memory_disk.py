@@ -1,7 +1,7 @@
 """The disk sender's memory (issue 17.5): DiskWeightSync writes shards of weight_sync.bucket_mb (a
 larger tensor alone) from the streamed export, so it holds one shard and the tensor being gathered,
 never the model (it used to fill shards of 4 GiB: the whole model of anything this size); the peak
-stays within what weight_sync.max_sender_mb counts for the disk method (sender_budget.py), and the
+stays within what weight_sync.max_sender_mb counts for the disk method (rollout/weights/memory.py), and the
 engine loads every tensor equal.
 
 The peak is bench/parallel.py's LiveTensorPeak, entered in the thread that writes the shards; the
@@ -13,7 +13,7 @@ import json
 import pytest
 from disk_push import disk_push_peak
 
-from sao_megatron.core.config.sender_budget import MIB, sender_need
+from rollout.weights.memory import MIB, sender_need
 
 
 @pytest.mark.parametrize("bucket_mb", [0.01, 0.1])

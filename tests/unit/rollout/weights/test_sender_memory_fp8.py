@@ -1,7 +1,7 @@
 """The FP8 quantizer's memory (issue 17.5): quantize_block_fp8 works in chunks of whole 128-row block
 rows, so its float32 temporaries stay within max(max_temp_bytes, one block row) instead of about 8
 bytes per element of the whole tensor, and its output is the same bytes as one pass; the disk sender
-with an FP8 layout holds at most what weight_sync.max_sender_mb counts for it (sender_budget.py).
+with an FP8 layout holds at most what weight_sync.max_sender_mb counts for it (rollout/weights/memory.py).
 
 Peaks are bench/parallel.py's LiveTensorPeak (tensors created under the mode; the input is not)."""
 from __future__ import annotations
@@ -13,10 +13,9 @@ import torch
 from disk_push import disk_push_peak
 
 from bench.parallel import LiveTensorPeak
-from rollout.weights import fp8_blocks
-from rollout.weights.fp8_blocks import BLOCK, TEMP_BYTES, Fp8Layout, quantize_block_fp8, quantize_stream
-from sao_megatron.core.config import sender_budget
-from sao_megatron.core.config.sender_budget import MIB, sender_need
+from rollout.weights import fp8_blocks, memory
+from rollout.weights.fp8_blocks import BLOCK, Fp8Layout, quantize_block_fp8, quantize_stream
+from rollout.weights.memory import FP8_TEMP_BYTES as TEMP_BYTES, MIB, sender_need
 
 MB = 2 ** 20
 
@@ -49,19 +48,17 @@ def test_chunked_quantization_is_bit_identical_and_its_temporaries_stay_within_o
 def test_budget_counts_the_quantizers_copy_scales_and_one_chunk():
     cfg = {"hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
            "vocab_size": 50000, "intermediate_size": 4096}
-    assert sender_budget.largest_linear_elements(cfg) == 2 * 4096 * 1024             # fused gate+up
-    assert sender_budget.widest_row_elements(cfg) == 4096                            # down_proj's input
-    assert sender_budget.FP8_TEMP_CHUNK == fp8_blocks.CHUNK_TEMP_BYTES
-    assert sender_budget.FP8_TEMP_BYTES == TEMP_BYTES and sender_budget.FP8_BLOCK == BLOCK[0]
-    quantize = sender_budget.fp8_quantize_bytes(cfg)
-    assert 2 * 4096 * 1024 + fp8_blocks.CHUNK_TEMP_BYTES < quantize < 2 * 4096 * 1024 * 1.05 + 64 * MIB
+    assert memory.largest_linear_elements(cfg) == 2 * 4096 * 1024             # fused gate+up
+    assert memory.widest_row_elements(cfg) == 4096                            # down_proj's input
+    quantize = memory.fp8_quantize_bytes(cfg)
+    assert 2 * 4096 * 1024 + memory.FP8_TEMP_CHUNK < quantize < 2 * 4096 * 1024 * 1.05 + 64 * MIB
     plain = sender_need(cfg, 64 * MIB, 2)
     with_fp8 = sender_need(cfg, 64 * MIB, 2, fp8=True)
     assert with_fp8.total - plain.total == quantize == with_fp8.quantize
 
 
 def _disk_push_peak(model_dir, tmp_path, monkeypatch, bucket_mb: float) -> tuple[int, dict, dict]:
-    """The disk push (tests/unit/disk_push.py) with an FP8 layout; returns what it wrote too."""
+    """The disk push (tests/support/disk_push.py) with an FP8 layout; returns what it wrote too."""
     from checkpoints.hf_io import HFCheckpoint
 
     async def landed(engine):
@@ -74,8 +71,8 @@ def _disk_push_peak(model_dir, tmp_path, monkeypatch, bucket_mb: float) -> tuple
 
 def test_disk_sender_with_fp8_holds_at_most_what_max_sender_mb_counts(tiny_model_dir, tmp_path, monkeypatch):
     """Measured 0.18 MB against the bound 0.41 MB (the quantizer's chunk cut to one 128-row block row)."""
-    monkeypatch.setattr(fp8_blocks, "CHUNK_TEMP_BYTES", 1)        # one block row per chunk: the tight case
-    monkeypatch.setattr(sender_budget, "FP8_TEMP_CHUNK", 1)
+    # one block row per chunk, the tight case: the quantizer reads its chunk where the rule does
+    monkeypatch.setattr(memory, "FP8_TEMP_CHUNK", 1)
     bucket_mb = 0.01
     peak, hf, written = _disk_push_peak(tiny_model_dir, tmp_path, monkeypatch, bucket_mb)
     cfg = json.loads((tiny_model_dir / "config.json").read_text())

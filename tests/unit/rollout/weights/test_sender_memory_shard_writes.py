@@ -2,8 +2,8 @@
 into per-rank buckets and its lanes flatten and send them, so the sender holds per lane two flat
 buffers and three buckets of slices, one pending bucket per engine TP rank and the tensor being
 gathered; each slice is copied out of its tensor, so no pending bucket pins a whole gathered tensor.
-The peak stays within what weight_sync.max_sender_mb counts for shard_writes (sender_budget.py), and
-the recipe check refuses a bound below it.
+The peak stays within what weight_sync.max_sender_mb counts for shard_writes (rollout/weights/memory.py),
+and the sender-memory check refuses a bound below it.
 
 The peak is bench/parallel.py's LiveTensorPeak, entered in the producer's and every lane's thread
 (calls.pinned); the stream makes each tensor anew at its turn, as the export's TP gather does. The
@@ -17,8 +17,8 @@ from dataclasses import replace
 import pytest
 
 from bench.parallel import CountInto, LiveTensorPeak
+from rollout.weights.memory import MIB, SHARD_QUEUE_DEPTH, check_sender_memory, sender_need
 from sao_megatron.core.config import ConfigError
-from sao_megatron.core.config.sender_budget import MIB, SHARD_QUEUED, sender_need
 
 
 @pytest.mark.parametrize("bucket_mb", [0.01, 0.1])
@@ -59,16 +59,14 @@ def test_shard_writes_sender_peak_stays_within_the_bound(bucket_mb, tiny_model_d
     cfg = json.loads((tiny_model_dir / "config.json").read_text())
     need = sender_need(cfg, bucket_mb * MIB, element_bytes=4, method="shard_writes", lanes=2, targets=2)
     model_bytes = sum(t.numel() * t.element_size() for t in hf.values())
-    assert SHARD_QUEUED == sharded.QUEUE_DEPTH + 1
     assert [received[("e0", r)] for r in range(2)] == bytes_per_rank(hf.items(), 2)   # every slice landed
     assert 0 < mode.peak <= need.total
     if bucket_mb == 0.01:   # buckets well below the model: the sender holds a fraction of it
         assert mode.peak < model_bytes / 3
 
 
-def test_recipe_check_counts_lanes_and_engine_ranks_for_shard_writes(tiny_model_dir):
+def test_sender_memory_check_counts_lanes_and_engine_ranks_for_shard_writes(tiny_model_dir):
     from parallel import layout_check as lc
-    from sao_megatron.core.config.recipe import check_model_fits_layout
 
     hf = json.loads((tiny_model_dir / "config.json").read_text())
     recipe = lc.make_recipe(tiny_model_dir, dict(tp=1))
@@ -77,15 +75,15 @@ def test_recipe_check_counts_lanes_and_engine_ranks_for_shard_writes(tiny_model_
     bucket = 0.01
     need = sender_need(hf, bucket * MIB, element_bytes=4, method="shard_writes", lanes=2, targets=4)
     payload = max(bucket * MIB, need.largest)
-    assert need.total == 2 * 2 * payload + (SHARD_QUEUED * 2 + 4) * payload + need.gather
+    assert need.total == 2 * 2 * payload + ((SHARD_QUEUE_DEPTH + 1) * 2 + 4) * payload + need.gather
     recipe.weight_sync = replace(recipe.weight_sync, method="shard_writes", shard_senders=2, bucket_mb=bucket,
                                  max_sender_mb=need.total / MIB * 0.99)
     with pytest.raises(ConfigError) as err:
-        check_model_fits_layout(recipe, hf)
+        check_sender_memory(recipe, hf)
     assert err.value.field == "weight_sync.max_sender_mb" and "shard_writes sender" in str(err.value)
     assert "\n" not in str(err.value)
     recipe.weight_sync = replace(recipe.weight_sync, max_sender_mb=need.total / MIB)
-    check_model_fits_layout(recipe, hf)
+    check_sender_memory(recipe, hf)
     # the same bound holds a broadcast sender (one payload pair, no per-rank buckets)
     recipe.weight_sync = replace(recipe.weight_sync, method="broadcast", max_sender_mb=need.total / MIB * 0.99)
-    check_model_fits_layout(recipe, hf)
+    check_sender_memory(recipe, hf)

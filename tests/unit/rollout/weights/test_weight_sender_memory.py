@@ -1,6 +1,7 @@
 """The weight-sync sender's memory (issue 17.5): the export streams, so during a push the sender holds
 flat buffers, buckets and the tensor being gathered, never every tensor its rank owns; the recipe key
-weight_sync.max_sender_mb bounds it, and the recipe check refuses a bound below what streaming needs.
+weight_sync.max_sender_mb bounds it, and the sender-memory check (rollout/weights/memory.py) refuses a
+bound below what streaming needs.
 
 The peak is measured with bench/parallel.py's LiveTensorPeak on the sender rank of a 2-rank TP gloo
 layout, pushing to a LoopbackEngine (a child process) with BroadcastWeightSync; the mode is
@@ -16,9 +17,8 @@ import torch
 
 from bench.parallel import CountInto, LiveTensorPeak
 from parallel.distributed import run_distributed_test
+from rollout.weights.memory import MIB, check_sender_memory, largest_tensor_elements, sender_need
 from sao_megatron.core.config import ConfigError
-from sao_megatron.core.config.recipe import check_model_fits_layout
-from sao_megatron.core.config.sender_budget import MIB, sender_need
 
 BUCKET_MB = 0.01   # the check's own tests; the push is measured at two bucket sizes
 
@@ -96,23 +96,21 @@ def _recipe(model_dir, **weight_sync):
     return recipe
 
 
-def test_recipe_check_refuses_a_bound_below_what_streaming_needs(tiny_model_dir):
+def test_sender_memory_check_refuses_a_bound_below_what_streaming_needs(tiny_model_dir):
     hf = json.loads((tiny_model_dir / "config.json").read_text())
     need = sender_need(hf, BUCKET_MB * MIB, element_bytes=4, tp=2)
     below = need.total / MIB * 0.9
     with pytest.raises(ConfigError) as err:
-        check_model_fits_layout(_recipe(tiny_model_dir, bucket_mb=BUCKET_MB, max_sender_mb=below), hf)
+        check_sender_memory(_recipe(tiny_model_dir, bucket_mb=BUCKET_MB, max_sender_mb=below), hf)
     assert err.value.field == "weight_sync.max_sender_mb" and "\n" not in str(err.value)
     assert f"at least {int(need.total / MIB) + 1}" in str(err.value)
-    check_model_fits_layout(_recipe(tiny_model_dir, bucket_mb=BUCKET_MB, max_sender_mb=need.total / MIB), hf)
+    check_sender_memory(_recipe(tiny_model_dir, bucket_mb=BUCKET_MB, max_sender_mb=need.total / MIB), hf)
     # the need grows with the bucket: two flat buffers, the bucket being filled and one held-back run
     bigger = sender_need(hf, 64 * MIB, element_bytes=4, tp=2)
     assert bigger.total == 4 * 64 * MIB + bigger.gather
 
 
 def test_largest_tensor_is_the_fused_projection_or_the_padded_vocabulary():
-    from sao_megatron.core.config.sender_budget import largest_tensor_elements
-
     cfg = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
            "vocab_size": 105, "intermediate_size": 128}
     assert largest_tensor_elements(cfg) == (4 + 2 * 2) * 32 * 64          # qkv

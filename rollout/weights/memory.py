@@ -1,45 +1,44 @@
 """The weight-sync sender's memory during a push, from the model's HF config alone, and the check of
-weight_sync.max_sender_mb against it (docs/weights.md, "Sender memory").
+weight_sync.max_sender_mb against it (docs/weights.md, "Sender memory"). Torch-free: `sao plan`
+(parallel/planner/sync_time.py) and the recipe checks of `sao train` and `sao launch` read it.
 
 The export streams (parallel/weights.py): a Megatron tensor is gathered over TP at the turn of its
 first HF name, so beyond its own shards a broadcast sender holds at most
 - buffers: the two reused flat payloads (one on the wire, one being flattened), each of
   max(bucket, largest tensor): a tensor above the bucket travels alone;
 - buckets: the bucket being filled (max(bucket, largest tensor)) and one held-back run of routed-expert
-  tensors (at most one bucket: rollout/weights/broadcast.py non_expert_first);
+  tensors (at most one bucket: broadcast.py non_expert_first);
 - gather: the tensor being gathered, twice (its TP pieces and the merged tensor, or the merged tensor
   and its HF parts: q/k/v, gate/up), plus the HF tensors of the one before still waiting for their turn.
 The other senders stream the same export and hold instead
-- shard_writes (rollout/weights/shard_writes.py): per lane two flat buffers and three buckets of slices (two
-  queued, one being flattened), plus one pending bucket per engine TP rank; a slice is copied out of
-  its tensor, so a pending bucket never pins a whole gathered tensor;
-- disk (DiskWeightSync): the shard being filled, of weight_sync.bucket_mb (safetensors >= 0.8 writes
-  from the tensors' own memory, no serialized copy); on a GPU trainer that shard is host memory;
+- shard_writes (shard_writes.py): per lane two flat buffers and SHARD_QUEUE_DEPTH + 1 buckets of slices
+  (queued, and one being flattened), plus one pending bucket per engine TP rank; a slice is copied out
+  of its tensor, so a pending bucket never pins a whole gathered tensor;
+- disk (disk.py): the shard being filled, of weight_sync.bucket_mb (safetensors >= 0.8 writes from the
+  tensors' own memory, no serialized copy); on a GPU trainer that shard is host memory;
 - FP8 engines (rollout.engine_fp8): the float8 copy of the tensor being quantized and its scales,
-  plus float32 temporaries of at most max(64 MiB, one 128-row block row) (fp8_blocks.py).
+  plus float32 temporaries of at most max(FP8_TEMP_CHUNK, one block row) (fp8_blocks.py).
 A tensor above the bucket travels alone in every method (a bucket, a shard, a pending slice bucket).
-It lives in the bottom layer because the recipe check (recipe.py) runs it against config.json; the
-planner (parallel/planner/sync_time.py) prints the same numbers.
+
+The constants below are the buffers' own: fp8_blocks.py and shard_writes.py read them from here, so the
+rule and the code it bounds cannot drift apart.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any, Mapping, Optional
 
-from .errors import ConfigError
+from sao_megatron.core.config import ConfigError
+from sao_megatron.core.shape import padded_vocab_size, routed_experts
 
 MIB = 2 ** 20
-VOCAB_PAD_MULTIPLE = 128   # as parallel/specs.py pads the vocabulary (times tp when tp does not divide it)
-FP8_BLOCK = 128            # rollout/weights/fp8_blocks.py BLOCK (rows and columns)
-FP8_TEMP_BYTES = 8         # float32 bytes per element the quantizer holds at once (fp8_blocks.TEMP_BYTES)
-FP8_TEMP_CHUNK = 64 * MIB  # its bound on them, unless one block row is larger (fp8_blocks.CHUNK_TEMP_BYTES)
-SHARD_QUEUED = 3           # a shard-writes lane's buckets of slices: QUEUE_DEPTH queued + one being flattened
-
-
-def _padded_vocab(vocab: int, tp: int) -> int:
-    multiple = VOCAB_PAD_MULTIPLE if VOCAB_PAD_MULTIPLE % tp == 0 else VOCAB_PAD_MULTIPLE * tp
-    return -(-vocab // multiple) * multiple
+FP8_BLOCK = 128            # rows and columns of one block-FP8 block (fp8_blocks.BLOCK)
+FP8_TEMP_BYTES = 8         # float32 bytes per element the quantizer holds at once (two float32 copies)
+FP8_TEMP_CHUNK = 64 * MIB  # the quantizer's bound on those temporaries, unless one block row is larger
+SHARD_QUEUE_DEPTH = 2      # buckets a shard-writes lane may have sliced ahead of its wire
 
 
 def largest_tensor_elements(hf: Mapping[str, Any], tp: int = 1) -> int:
@@ -47,8 +46,8 @@ def largest_tensor_elements(hf: Mapping[str, Any], tp: int = 1) -> int:
     a fused projection (qkv, or MLA's q_b/kv_b), a fused gate+up (dense, shared or one routed expert),
     a down or output projection, or the router."""
     h = int(hf.get("hidden_size") or 0)
-    experts = max(int(hf.get(k) or 0) for k in ("n_routed_experts", "num_experts", "num_local_experts"))
-    return max(_padded_vocab(int(hf.get("vocab_size") or 0), tp) * h, experts * h, largest_linear_elements(hf))
+    vocab = padded_vocab_size(int(hf.get("vocab_size") or 0), tp)
+    return max(vocab * h, routed_experts(hf) * h, largest_linear_elements(hf))
 
 
 def largest_linear_elements(hf: Mapping[str, Any]) -> int:
@@ -65,7 +64,8 @@ def largest_linear_elements(hf: Mapping[str, Any]) -> int:
                  h * q_rank, h * (kv_rank + rope)]
     else:
         sizes = [(heads + 2 * kv) * head_dim * h, heads * head_dim * h]
-    ffn = [int(hf.get(k) or 0) for k in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")]
+    ffn = [int(hf.get(k) or 0)
+           for k in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")]
     ffn.append(int(hf.get("n_shared_experts") or 0) * int(hf.get("moe_intermediate_size") or 0))
     return max(sizes + [2 * f * h for f in ffn])
 
@@ -86,7 +86,7 @@ def fp8_quantize_bytes(hf: Mapping[str, Any]) -> float:
     """The quantizer's own memory for the largest projection (largest_linear_elements): its float8 copy
     (1 byte per element), the float32 scales (ceil(n/128) * ceil(k/128) <= n*k/128 + k; the chunk's
     amax and masks fit there too) and the float32 temporaries of one chunk of block rows
-    (fp8_blocks.quantize_block_fp8: at most max(64 MiB, one block row of the widest input))."""
+    (fp8_blocks.quantize_block_fp8: at most max(FP8_TEMP_CHUNK, one block row of the widest input))."""
     elements = largest_linear_elements(hf)
     width = widest_row_elements(hf)
     scales = 4 * (elements // FP8_BLOCK + width + 1)
@@ -115,7 +115,8 @@ def sender_need(hf: Mapping[str, Any], bucket_bytes: float, element_bytes: int, 
     payload = max(bucket_bytes, largest)
     quantize = fp8_quantize_bytes(hf) if fp8 else 0.0
     if method == "shard_writes":
-        return SenderNeed(buffers=2 * lanes * payload, buckets=(SHARD_QUEUED * lanes + targets) * payload,
+        queued = SHARD_QUEUE_DEPTH + 1   # a lane's buckets of slices: the queued ones and the one being flattened
+        return SenderNeed(buffers=2 * lanes * payload, buckets=(queued * lanes + targets) * payload,
                           gather=3 * largest, largest=largest, quantize=quantize)
     if method == "disk":
         return SenderNeed(buffers=0.0, buckets=payload, gather=3 * largest, largest=largest, quantize=quantize)
@@ -131,9 +132,16 @@ def recipe_sender_need(recipe, hf: Mapping[str, Any]) -> SenderNeed:
                        ws.method, bool(roll.engine_fp8), min(ws.shard_senders, targets), targets)
 
 
-def check_sender_budget(recipe, hf: Mapping[str, Any]) -> SenderNeed:
+def check_sender_memory(recipe, hf: Optional[Mapping[str, Any]] = None) -> Optional[SenderNeed]:
     """Refuse a weight_sync.max_sender_mb below what the streamed export and the recipe's send method
-    (broadcast, shard_writes or disk; FP8 quantization included) need."""
+    (broadcast, shard_writes or disk; FP8 quantization included) need. `hf` defaults to model.path's
+    config.json; without one (a model still to be created) there is nothing to check: None.
+    `sao train` (trainer/entry.py) and `sao launch` (launch/validate.py) call it after the recipe loads."""
+    if hf is None:
+        config = Path(recipe.model.path) / "config.json"
+        if not config.is_file():
+            return None
+        hf = json.loads(config.read_text())
     ws = recipe.weight_sync
     need = recipe_sender_need(recipe, hf)
     if ws.max_sender_mb * MIB < need.total:
