@@ -69,17 +69,14 @@ def engine_heads(slots: list[EngineSlot]) -> list[EngineSlot]:
 def engine_command(recipe, slot: EngineSlot, head_host: str = "$HEAD_HOST") -> list[str]:
     """argv of one engine process, without the API key (`ps` shows argv): `sao serve` reads $SAO_API_KEY,
     SGLang reads the --config file $SAO_ENGINE_OPTIONS that the node script writes from it."""
-    python = recipe.launch.python
-    model_path = recipe.rollout.engine_model_path or recipe.model.path   # a block-FP8 one for SGLang FP8
-    from rollout.engines.sglang_launcher import build_sglang_command, engine_model_config, has_indexer, sglang_args
+    from rollout.engines.sglang_launcher import build_sglang_command, engine_seed, reference_server_args, sglang_args
 
+    python = recipe.launch.python
     if recipe.rollout.engine == "reference":
-        fp8 = ["--quantization", "fp8"] if recipe.rollout.engine_fp8 else []   # FP8 blocks in, as SGLang's
-        # indexer replay: the server answers return_indexer_topk only with SGLang's flag of that name
-        indexer = ["--enable-return-indexer-topk"] if has_indexer(engine_model_config(recipe)) else []
+        model_path = recipe.rollout.engine_model_path or recipe.model.path
         return [python, "-m", "sao_megatron.cli.main", "serve", "--model", model_path, "--host", "$ENGINE_HOST",
-                "--port", str(slot.port), "--seed", str(recipe.run.seed + slot.engine),
-                "--tp", str(recipe.rollout.engine_tp)] + fp8 + indexer   # tp: weight-update ranks, as the trainer counts them
+                "--port", str(slot.port), "--seed", str(engine_seed(recipe, slot.engine)),
+                *reference_server_args(recipe)]
 
     extra: tuple[str, ...] = ()
     if slot.nnodes > 1:

@@ -1,16 +1,18 @@
 """Start and stop real SGLang servers (`python -m sglang.launch_server`) for a recipe's engines.
 
-`build_sglang_command` is pure (unit-tested on the flags it emits; tests/unit/rollout/engines/test_sglang_cli_contract.py
-parses every flag it renders with SGLang 0.5.23's own parser rules, rollout/engines/sglang_flags.py). `launch_sglang` needs CUDA and an SGLang install
+`build_sglang_command` is pure (unit-tested on the flags it emits;
+tests/unit/rollout/engines/test_sglang_cli_contract.py parses every flag it renders with SGLang 0.5.23's own
+parser rules, rollout/engines/sglang_flags.py). `launch_sglang` needs CUDA and an SGLang install
 (`pip install "sglang==0.5.23"`, the `gpu` extra); its start is exercised by tests/gpu.
 
 Placement: engine ``index`` uses GPUs ``[index * gpus_per_engine, (index + 1) * gpus_per_engine)``
 of its node via ``--base-gpu-id`` (gpus_per_engine = tp; dp-attention and EP live inside the TP
 group in SGLang).
 
-`sglang_args` is the one place a recipe becomes SGLang arguments: `launch_sglang` (engines `sao train`
-starts) and launch/engines.py (`sao launch`'s rollout nodes) both call it, so both give engine ``i`` the
-seed ``run.seed + i`` (as the reference server's engines get) and the same flags.
+`sglang_args` is the one place a recipe becomes SGLang arguments, and `reference_server_args` the one place
+it becomes the reference server's (`sao serve`, SGLang's CPU stand-in): `sao train` (launch_sglang,
+trainer/engines.py) and launch/engines.py (`sao launch`'s rollout nodes) both call them, so both give engine
+``i`` the seed `engine_seed` (``run.seed + i``) and the same flags.
 """
 from __future__ import annotations
 
@@ -142,6 +144,27 @@ def engine_model_config(recipe) -> dict:
     return dict(family.shapes.get(recipe.model.shape_preset) or family.presets.get(recipe.model.init_preset) or {})
 
 
+def engine_seed(recipe, engine: int) -> int:
+    """The sampling seed of engine `engine` (requests without their own seed), SGLang or reference server."""
+    return recipe.run.seed + engine
+
+
+def reference_server_args(recipe) -> list[str]:
+    """`sao serve` flags of a recipe's reference-server engines (seed, host and port aside): the recipe fields
+    sglang_args maps, as the reference server spells them."""
+    r = recipe.rollout
+    args = ["--tp", str(r.engine_tp)]   # weight-update ranks, as the trainer counts an SGLang engine's
+    if recipe.weight_sync.method == "shard_writes":
+        args.append("--shard-writes")   # the opt-in stand-in for per-rank writes (rollout/weights/shard_writes.py)
+    if r.engine_fp8:
+        args += ["--quantization", "fp8"]   # serves block-FP8 weights, takes only FP8 updates for them
+    if r.engine_dtype != "fp32":
+        args += ["--dtype", r.engine_dtype]   # a real train/inference mismatch against the fp32 trainer
+    if has_indexer(engine_model_config(recipe)):
+        args.append("--enable-return-indexer-topk")   # the DSA choices the trainer replays, only when asked, as SGLang
+    return args
+
+
 def sglang_args(recipe, engine: int, *, host: str, port: int, base_gpu_id: int, api_key: str = "",
                 api_key_config: str = "", extra: tuple[str, ...] = ()) -> SGLangArgs:
     """SGLang arguments of engine `engine` of a recipe: the one mapping from recipe fields to flags.
@@ -155,7 +178,7 @@ def sglang_args(recipe, engine: int, *, host: str, port: int, base_gpu_id: int, 
     return SGLangArgs(model_path=r.engine_model_path or str(recipe.model.path), host=host, port=port,
                       api_key=api_key, api_key_config=api_key_config, tp=r.engine_tp, ep=r.engine_ep,
                       dp_attention=dp_attention, fp8=r.engine_fp8, mem_fraction=r.mem_fraction,
-                      base_gpu_id=base_gpu_id, seed=recipe.run.seed + engine, indexer_topk=indexer, extra=extra,
+                      base_gpu_id=base_gpu_id, seed=engine_seed(recipe, engine), indexer_topk=indexer, extra=extra,
                       model_overrides=overrides, engine_args=engine_args)
 
 

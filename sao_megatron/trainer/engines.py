@@ -133,26 +133,11 @@ def launch_engine(recipe: Recipe, index: int, api_key: str, run_dir: Path, port:
         port = rollout.port + index if rollout.port else 0
     if rollout.engine == "reference":
         from rollout.engines.reference_server import launch_local
+        from rollout.engines.sglang_launcher import engine_seed, reference_server_args
 
-        # --tp N: the server joins the weight-update group as N ranks, as an SGLang engine with tp N does
-        extra = ["--tp", str(rollout.engine_tp)] if rollout.engine_tp > 1 else []
-        if recipe.weight_sync.method == "shard_writes":
-            extra.append("--shard-writes")   # the opt-in stand-in for per-rank writes (shard_writes.py)
-        if rollout.engine_fp8:
-            extra += ["--quantization", "fp8"]   # serves block-FP8 weights, takes only FP8 updates for them
-        if rollout.engine_dtype != "fp32":
-            extra += ["--dtype", rollout.engine_dtype]   # a real train/inference mismatch against the fp32 trainer
-        if _has_indexer(recipe):
-            extra.append("--enable-return-indexer-topk")   # the DSA choices the trainer replays
         return launch_local(Path(engine_model_path(recipe)).resolve(), host=rollout.host, port=port, api_key=api_key,
-                            log_path=run_dir / f"engine{index}.log", seed=recipe.run.seed + index,
-                            extra_args=extra or None)
+                            log_path=run_dir / f"engine{index}.log", seed=engine_seed(recipe, index),
+                            extra_args=reference_server_args(recipe))
     from rollout.engines.sglang_launcher import launch_sglang
 
     return launch_sglang(recipe, index=index, port=port, api_key=api_key, log_path=run_dir / f"engine{index}.log")
-
-
-def _has_indexer(recipe: Recipe) -> bool:
-    from rollout.engines.indexer_topk import indexer_shape_from_config
-
-    return indexer_shape_from_config(engine_model_path(recipe))["index_topk"] is not None

@@ -28,7 +28,8 @@ def _flag(cmd: list[str], name: str) -> str:
 
 def test_engine_args_reach_both_commands_and_seeds_agree(tmp_path):
     recipe = _recipe(tmp_path, 'engine_tp = 2\nengine_args = ["--chunked-prefill-size", "4096", "--disable-radix-cache"]')
-    local = build_sglang_command(args_from_recipe(recipe, index=1, port=31000, api_key=""), python=recipe.launch.python)
+    local = build_sglang_command(args_from_recipe(recipe, index=1, port=31000, api_key=""),
+                                 python=recipe.launch.python)
     slurm = engine_command(recipe, EngineSlot(engine=1, node=0, head_node=0, node_rank=0, nnodes=1, base_gpu=2,
                                               port=31000))
     for cmd in (local, slurm):
@@ -141,6 +142,32 @@ def test_cpu_rollout_nodes_serve_dsa_models_with_indexer_topk(tmp_path):
         argv = engine_command(recipe, slot)
         assert ("--enable-return-indexer-topk" in argv) == flagged
         assert parser.parse_args(argv[argv.index("serve") + 1:]).enable_return_indexer_topk == flagged
+
+
+def test_reference_engines_get_the_same_flags_from_sao_train_and_sao_launch(tmp_path, monkeypatch):
+    """The CPU stand-in too: `sao launch`'s node argv and `sao train`'s local server take one mapping
+    (reference_server_args, engine_seed): seed run.seed + engine, weight-update ranks, dtype, shard writes."""
+    import argparse
+
+    import rollout.engines.reference_server as reference_server
+    from rollout.engines.reference_server.server import add_arguments
+    from sao_megatron.trainer.engines import launch_engine
+
+    recipe = _recipe(tmp_path, "engine_tp = 2", {"model_type": "glm_moe_dsa"})
+    recipe.rollout.engine, recipe.rollout.engine_dtype, recipe.weight_sync.method = "reference", "bf16", "shard_writes"
+    started = {}
+    monkeypatch.setattr(reference_server, "launch_local", lambda model, **kw: started.update(kw))
+    launch_engine(recipe, index=1, api_key="", run_dir=tmp_path)
+    slurm = engine_command(recipe, EngineSlot(1, 1, 1, 0, 1, 0, 30000))
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    local = vars(parser.parse_args(["--model", "m", "--seed", str(started["seed"]), *started["extra_args"]]))
+    launched = vars(parser.parse_args(slurm[slurm.index("serve") + 1:]))
+    for key in ("seed", "tp", "dtype", "shard_writes", "quantization", "enable_return_indexer_topk"):
+        assert local[key] == launched[key], key
+    assert (launched["seed"], launched["tp"], launched["dtype"]) == (8, 2, "bf16")
+    assert launched["shard_writes"] and launched["enable_return_indexer_topk"]
 
 
 def test_a_model_made_at_start_is_recognised_by_its_preset(tmp_path):
