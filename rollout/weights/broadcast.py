@@ -108,38 +108,81 @@ class BroadcastWeightSync(SessionSync):
         self.group = None   # the old group (a dead peer in it) is left to the garbage collector
 
     async def _transfer(self, named_tensors, version: int) -> None:
-        """Send the buckets in order; bucket i+1 is flattened (into the other of two reused buffers) while
-        bucket i is on the wire, so the copy hides behind the transfer. The payload device is captured
-        here, in the caller's thread, and made current in the flatten and broadcast threads."""
+        """Send the buckets in order, pipelined: bucket i+1 is flattened (into the other of two reused
+        buffers) while bucket i is on the wire, and its broadcast leaves the sender as soon as bucket i's
+        has, without waiting for the engines' replies to bucket i. Each engine gets bucket i+1's update
+        call once every engine answered bucket i (SGLang takes one call at a time, in the order it gets
+        them); until then the sender's bytes wait in the socket buffers, so the wire stays busy across
+        the round trip of the call. At most two buckets are in flight: one flat buffer each. The payload
+        device is captured here, in the caller's thread, and made current in the flatten and broadcast
+        threads."""
         await self.connect()
         device = payload_device(self.backend)
         bucket_bytes = int(self.cfg.bucket_mb * 2**20)
-        buffers, in_flight = self._buffers, None
+        steps = []   # the buckets in flight, oldest first: (wire, whole bucket)
         try:
             for i, bucket in enumerate(iter_buckets(non_expert_first(named_tensors, bucket_bytes), bucket_bytes)):
-                flat = await asyncio.to_thread(pinned, device, bucket.flatten, device, buffers[i % 2])
+                if len(steps) == 2:
+                    await steps[0][1]       # bucket i-2 is done: its buffer is this bucket's
+                    steps.pop(0)
+                flat = await self._payload(bucket, device, i % 2)
                 bucket.release()
-                if buffers[i % 2] is None or flat.numel() > buffers[i % 2].numel():
-                    buffers[i % 2] = flat
-                if in_flight is not None:
-                    await in_flight
-                in_flight = asyncio.ensure_future(self.send_flat(bucket, flat, version, f"bucket {i}"))
-            if in_flight is not None:
-                await in_flight
+                steps.append(self._start_bucket(bucket, flat, version, f"bucket {i}", steps[-1] if steps else None))
+            for _, done in steps:
+                await done
         except BaseException:
-            if in_flight is not None and not in_flight.done():
-                in_flight.cancel()
+            for wire, done in steps:
+                for future in (done, wire):
+                    if future.done():
+                        future.cancelled() or future.exception()   # retrieved: raised once, below
+                    else:
+                        future.cancel()
             self.group = None  # a failed collective leaves the group unusable: rebuild on the next push
             raise
 
-    async def send_flat(self, bucket: Bucket, flat: torch.Tensor, version: int, label: str = "bucket") -> None:
-        """One bucket: every engine's update call concurrently with the sender's broadcast of `flat`.
+    async def _payload(self, bucket: Bucket, device: torch.device, slot: int) -> torch.Tensor:
+        """The bucket's payload in flat buffer `slot`, grown when the bucket is larger. A bucket larger than
+        the buffer (a tensor above the bucket size, alone) that already lies in one run of memory on the
+        payload device goes from that memory instead, without a copy, and takes the buffer's place (the
+        buffer is dropped, not grown), so the sender never holds more than with the copy."""
+        buffer = self._buffers[slot]
+        if buffer is None or bucket.nbytes > buffer.numel():
+            own = bucket.in_place(device)
+            if own is not None:
+                self._buffers[slot] = None   # never a buffer: the next flatten must not write the tensors
+                return own
+        flat = await asyncio.to_thread(pinned, device, bucket.flatten, device, buffer)
+        if buffer is None or flat.numel() > buffer.numel():
+            self._buffers[slot] = flat
+        return flat
+
+    def _start_bucket(self, bucket: Bucket, flat: torch.Tensor, version: int, label: str,
+                      previous: Optional[tuple]) -> tuple:
+        """Bucket `label` in flight: (the sender's broadcast, started once the previous one left the
+        sender; the whole bucket, its engine calls issued once the previous bucket is done)."""
+        wire = asyncio.ensure_future(self._broadcast_after(flat, previous[0] if previous else None))
+        done = asyncio.ensure_future(self.send_flat(bucket, flat, version, label, wire,
+                                                    after=previous[1] if previous else None))
+        return wire, done
+
+    async def _broadcast_after(self, flat: torch.Tensor, previous: Optional[asyncio.Future]) -> None:
+        if previous is not None:
+            await previous
+        await in_daemon_thread(pinned, flat.device, broadcast_flat, flat, self.group)
+
+    async def send_flat(self, bucket: Bucket, flat: torch.Tensor, version: int, label: str = "bucket",
+                        wire: Optional[asyncio.Future] = None, after: Optional[asyncio.Future] = None) -> None:
+        """One bucket: every engine's update call concurrently with the sender's broadcast of `flat`
+        (`wire`, when it was started already), the calls once `after` (the bucket before) is done.
         An engine that refuses (HTTP 400) fails the bucket at once, naming it; the sender's broadcast,
         blocked on that engine, is left to the group timeout in its daemon thread."""
+        if after is not None:
+            await after
         names, dtypes, shapes = bucket.meta()
         calls = self._each(lambda e: e.update_weights_from_distributed(
             names, dtypes, shapes, self.group_name, version, flattened_bucket=True, flush_cache=False))
-        calls[SENDER] = in_daemon_thread(pinned, flat.device, broadcast_flat, flat, self.group)
+        calls[SENDER] = wire if wire is not None else in_daemon_thread(pinned, flat.device, broadcast_flat, flat,
+                                                                       self.group)
         what = f"weights {label} ({len(names)} tensors, {flat.numel()} bytes, version {version})"
         try:
             await run_all(calls, what, self.cfg.timeout_s)

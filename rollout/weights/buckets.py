@@ -95,6 +95,22 @@ class Bucket:
         return flat
 
 
+    def in_place(self, device: str | torch.device) -> Optional[torch.Tensor]:
+        """The payload without a copy, when the tensors already lie back to back, contiguous, in one
+        storage on `device` (a tensor alone in its bucket, or views of one buffer in order): a uint8 view
+        of that memory, which the caller must not write. None otherwise (flatten copies)."""
+        device, end = torch.device(device), None
+        for t in self.tensors:
+            if t.device != device or not t.is_contiguous() or (end is not None and t.data_ptr() != end):
+                return None
+            end = t.data_ptr() + t.numel() * t.element_size()
+        if not self.tensors or len({t.untyped_storage().data_ptr() for t in self.tensors}) != 1:
+            return None
+        first = self.tensors[0]
+        offset = first.data_ptr() - first.untyped_storage().data_ptr()
+        return torch.empty(0, dtype=torch.uint8, device=device).set_(first.untyped_storage(), offset, (self.nbytes,))
+
+
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst (contiguous CPU uint8) <- the bytes of src (a CPU tensor of any dtype, its last dimension
     contiguous; strided rows allowed). Through numpy: one plain single-threaded copy that releases the

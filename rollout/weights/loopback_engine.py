@@ -49,15 +49,14 @@ def _join(state, addr, port, rank, world, group_name, backend):
 
 
 def _receive(state, names, dtypes, shapes, version, keep, group_name):
+    """One flattened bucket into the reused buffer; kept as copies (the next bucket overwrites it)."""
     dts = [getattr(torch, d) for d in dtypes]
-    sizes = [math.prod(s) * torch.empty((), dtype=d).element_size() for d, s in zip(dts, shapes)]
+    sizes = [math.prod(s) * d.itemsize for d, s in zip(dts, shapes)]
     flat = state["buffer"].take(sum(sizes))
     torch.distributed.broadcast(flat, src=0, group=state["groups"][group_name])
     offset = 0
-    for name, dt, shape, size in zip(names, dts, shapes, sizes):
-        tensor = flat[offset:offset + size].view(dt).reshape(shape)
-        if keep:
-            state["weights"][name] = tensor.clone()
+    for name, dt, shape, size in zip(names, dts, shapes, sizes) if keep else ():
+        state["weights"][name] = flat[offset:offset + size].view(dt).reshape(shape).clone()
         offset += size
     state["version"] = version
 
@@ -138,13 +137,25 @@ class LoopbackEngine(WeightReceiver):
     async def _rpc(self, op: str, *args):
         async with self._lock:      # one command at a time on the pipe
             self._conn.send((op, args))
-            ready = await asyncio.to_thread(self._conn.poll, self.reply_timeout_s)
-            if not ready:
+            if not await self._readable():
                 raise EngineError(f"engine {self.name}: {op} got no reply within {self.reply_timeout_s:.0f}s")
             status, payload = self._conn.recv()
         if status == "error":
             raise EngineError(f"engine {self.name}: {op}: {payload}")
         return payload
+
+    async def _readable(self) -> bool:
+        """Wait for the child's reply on the event loop itself (no worker thread to wake up and hand the
+        reply over: a bucket's call is on the weight sync's critical path). False after reply_timeout_s."""
+        loop, fd = asyncio.get_running_loop(), self._conn.fileno()
+        ready = loop.create_future()
+        loop.add_reader(fd, lambda: ready.done() or ready.set_result(True))
+        try:
+            return await asyncio.wait_for(ready, self.reply_timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            loop.remove_reader(fd)
 
     def _note(self, what: str) -> None:
         """Record a control call (hook for fault injection in tests)."""

@@ -68,8 +68,10 @@ def receive_tensors(names: list[str], dtypes: list[torch.dtype], shapes: list[li
     """Receive one update call's tensors in the layout above; returns (name, tensor) in order.
 
     An nccl group receives into `device` (the server's GPU); gloo always receives on the CPU. A flattened
-    bucket lands in `buffer` (reused across calls, grown only when needed; the tensors returned are
-    copies, so they outlive it), else in a buffer of its own."""
+    bucket lands in `buffer` (reused across calls, grown only when needed), else in a buffer of its own,
+    and the tensors returned are views of it (copies only where a tensor's offset does not fit its
+    element size): the caller loads them into the model, one copy, before the next call reuses the
+    buffer (the server runs one update call at a time, under its gate)."""
     import torch.distributed as dist
 
     device = device if dist.get_backend(group) == "nccl" else "cpu"
@@ -84,10 +86,10 @@ def receive_tensors(names: list[str], dtypes: list[torch.dtype], shapes: list[li
             _broadcast(wire, group, f"tensor {name!r}")
             out.append((name, tensor))
         return out
-    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for dtype, shape in zip(dtypes, shapes)]
+    sizes = [math.prod(shape) * dtype.itemsize for dtype, shape in zip(dtypes, shapes)]
     flat = (buffer or ReceiveBuffer()).take(sum(sizes), device)
     _broadcast(flat, group, f"flattened bucket of {len(names)} tensors ({flat.numel()} bytes)")
-    return unflatten_bucket(flat, names, dtypes, shapes)
+    return unflatten_bucket(flat, names, dtypes, shapes, copy=False)
 
 
 def receive_buffer(state) -> ReceiveBuffer:
@@ -105,13 +107,17 @@ def flatten_bucket(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 
 def unflatten_bucket(flat: torch.Tensor, names: list[str], dtypes: list[torch.dtype],
-                     shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:
-    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for dtype, shape in zip(dtypes, shapes)]
+                     shapes: list[list[int]], copy: bool = True) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) per entry: copies of `flat`'s bytes, or with copy=False views of them where the
+    offset is a multiple of the element size (a slice elsewhere cannot be viewed as its dtype: copied)."""
+    sizes = [math.prod(shape) * dtype.itemsize for dtype, shape in zip(dtypes, shapes)]
     if sum(sizes) != flat.numel():
         raise ValueError(f"flattened bucket has {flat.numel()} bytes, names/dtypes/shapes account for {sum(sizes)}")
     out, offset = [], 0
     for name, dtype, shape, nbytes in zip(names, dtypes, shapes, sizes):
-        # copy the bytes first: a slice at an offset not divisible by the itemsize cannot be viewed
-        out.append((name, flat[offset: offset + nbytes].clone().view(dtype).reshape(shape)))
+        raw = flat[offset: offset + nbytes]
+        if copy or raw.storage_offset() % dtype.itemsize:
+            raw = raw.clone()
+        out.append((name, raw.view(dtype).reshape(shape)))
         offset += nbytes
     return out

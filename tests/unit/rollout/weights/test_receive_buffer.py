@@ -29,3 +29,16 @@ def test_tensors_unflattened_from_the_buffer_survive_the_next_bucket():
     (name, got), = unflatten_bucket(flat, ["a"], [torch.float32], [[2, 3]])
     buffer.take(a.numel() * 4).fill_(0)                           # the next bucket overwrites the buffer
     assert name == "a" and torch.equal(got, a)
+
+
+def test_the_reference_server_loads_views_of_the_buffer_and_copies_only_misaligned_tensors():
+    """receive_tensors hands the loader views of the reused buffer (the load's copy into the model is the
+    only one); a tensor whose offset does not fit its element size cannot be viewed and is copied."""
+    a, b = torch.arange(6, dtype=torch.float32), torch.arange(3, dtype=torch.bfloat16)
+    flat = flatten_bucket([a, b])
+    views = unflatten_bucket(flat, ["a", "b"], [torch.float32, torch.bfloat16], [[6], [3]], copy=False)
+    assert [v.data_ptr() for _, v in views] == [flat.data_ptr(), flat.data_ptr() + 24]
+    assert torch.equal(views[0][1], a) and torch.equal(views[1][1], b)
+    odd = flatten_bucket([torch.ones(1, dtype=torch.uint8), a])               # a at byte offset 1
+    (_, one), (_, got) = unflatten_bucket(odd, ["o", "a"], [torch.uint8, torch.float32], [[1], [6]], copy=False)
+    assert one.data_ptr() == odd.data_ptr() and got.data_ptr() != odd.data_ptr() + 1 and torch.equal(got, a)

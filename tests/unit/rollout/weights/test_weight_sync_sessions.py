@@ -119,8 +119,8 @@ def test_flatten_and_broadcast_threads_are_pinned_to_the_captured_device(monkeyp
     monkeypatch.setattr(engine_calls, "pin_thread", lambda device: pins.append((threading.current_thread().name,
                                                                                  device)))
 
-    async def scenario(engines):
-        sync = BroadcastWeightSync(WeightSyncConfig(bucket_mb=0.02, timeout_s=60), engines)
+    async def scenario(engines):   # one bucket of three tensors: flattened (a lone tensor would go in place)
+        sync = BroadcastWeightSync(WeightSyncConfig(bucket_mb=0.05, timeout_s=60), engines)
         async with sync.update_session():
             await sync.push(_named(), version=1)
         await sync.close()
