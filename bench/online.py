@@ -100,24 +100,36 @@ def phase_auc(rows: list[dict], rules: tuple) -> list[dict]:
     return out
 
 
-def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False, jobs: int = 1) -> dict:
-    """quick: SAO, 2 phases of 1 step from a 2-step SFT; default: 3 methods, 5 seeds, 3 phases of 40
-    steps from the SFT start (about 15 min on 2 CPU cores with jobs=2); full: 10 seeds, 4 phases of 40
-    steps from random init (hours)."""
-    from rollout.rewards.environments import DEFAULT_RULES
+def variant(quick: bool = False, full: bool = False) -> dict:
+    """What a variant runs: quick: SAO, 2 phases of 1 step from a 2-step SFT; default: 3 methods, 5 seeds,
+    3 phases of 40 steps of the default style rules from the SFT start; full: 10 seeds, 4 phases of 40
+    steps of the drift rules (the fourth a return to the first) from random init."""
+    from rollout.rewards.environments import DEFAULT_RULES, DRIFT_RULES
 
     switch_every, phases = (1, 2) if quick else ((FULL_SWITCH_EVERY, FULL_PHASES) if full else (40, 3))
-    seeds = [1] if quick else FULL_SEEDS if full else [1, 2, 3, 4, 5]
-    methods = ["sao"] if quick else list(METHODS)
-    warmup = 1 if quick else 10
+    return {"rules": DRIFT_RULES if full else DEFAULT_RULES, "switch_every": switch_every, "phases": phases,
+            "seeds": [1] if quick else FULL_SEEDS if full else [1, 2, 3, 4, 5],
+            "methods": ["sao"] if quick else list(METHODS), "warmup": 1 if quick else 10}
+
+
+def run_specs(v: dict, start: list[str]) -> list[tuple[str, list[str]]]:
+    """(run name, `sao train` overrides) of every method and seed of variant `v`."""
+    return [(f"online-{method}-s{seed}",
+             METHODS[method] + start + ["rollout.task='online'", f"rollout.env_rules={list(v['rules'])}",
+                                        f"rollout.env_switch_every={v['switch_every']}",
+                                        f"run.num_steps={v['switch_every'] * v['phases']}",
+                                        f"critic.warmup_steps={v['warmup']}", f"run.seed={seed}"])
+            for method in v["methods"] for seed in v["seeds"]]
+
+
+def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False, jobs: int = 1) -> dict:
+    """The variant's runs (see `variant`; default about 15 min on 2 CPU cores with jobs=2, full hours)."""
+    v = variant(quick, full)
+    rules, seeds, methods = v["rules"], v["seeds"], v["methods"]
     model = None if full else sft_start(out_dir, quick)
     recipe, start = (TINY, []) if full else (SFT_DEMO, from_sft(model))
     work = out_dir / "runs_online"
-    specs = [(f"online-{method}-s{seed}",
-              METHODS[method] + start + ["rollout.task='online'", f"rollout.env_switch_every={switch_every}",
-                                         f"run.num_steps={switch_every * phases}",
-                                         f"critic.warmup_steps={warmup}", f"run.seed={seed}"])
-             for method in methods for seed in seeds]
+    specs = run_specs(v, start)
     failed: list[dict] = []
     rows = run_all(specs, work, jobs=jobs, recipe=recipe, failures=failed)
     table, curves = {}, {}
@@ -128,16 +140,16 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
             raise RuntimeError(f"bench online: every {method} run failed twice: {failed}")
         for seed in kept:
             run_rows = rows[f"online-{method}-s{seed}"]
-            switches += [dict(s, seed=seed) for s in recovery_per_switch(run_rows, DEFAULT_RULES)]
-            per_phase.append(phase_auc(run_rows, DEFAULT_RULES))
+            switches += [dict(s, seed=seed) for s in recovery_per_switch(run_rows, rules)]
+            per_phase.append(phase_auc(run_rows, rules))
             runs.append(series(run_rows, "rollout/raw_reward"))
         table[method] = {**_method_row(switches, kept), **_auc_row(per_phase)}
         curves[method] = runs
     comparisons = {f"sao-{m}": compare(table["sao"]["auc_per_seed"], table[m]["auc_per_seed"])
                    for m in methods if m != "sao"}
-    plot_curves(curves, f"online: style switches every {switch_every} trainer steps", out_dir / "online.png")
-    return {"table": table, "switch_every": switch_every, "phases": phases, "rules": list(DEFAULT_RULES),
-            "critic_warmup_steps": warmup, "recovery_fraction": RECOVERY_FRACTION, "window": WINDOW,
+    plot_curves(curves, f"online: style switches every {v['switch_every']} trainer steps", out_dir / "online.png")
+    return {"table": table, "switch_every": v["switch_every"], "phases": v["phases"], "rules": list(rules),
+            "critic_warmup_steps": v["warmup"], "recovery_fraction": RECOVERY_FRACTION, "window": WINDOW,
             "comparisons": comparisons, "start": sft_info(model) if model else {"recipe": "recipes/tiny_moe_cpu.toml",
                                                                                 "task": "online", "sft_steps": 0},
             "reachable_level": REACHABLE, "failed_runs": failed, "summary": _summary(table)}

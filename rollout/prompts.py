@@ -209,12 +209,14 @@ def load_rows(path: str, bad_row: str = "skip", *, prompt_key: str = "prompt", l
     return rows
 
 
-def task_rows(task: str, seed: int, num_problems: int, switch_every: int = 50) -> list[Row]:
-    """`num_problems` generated problems of a built-in task (deterministic in seed)."""
-    from rollout.rewards.environments import ChangingEnvironment
+def task_rows(task: str, seed: int, num_problems: int, switch_every: int = 50, rules: tuple = ()) -> list[Row]:
+    """`num_problems` generated problems of a built-in task (deterministic in seed); `rules`: the online
+    task's rule cycle (() = its default)."""
+    from rollout.rewards.environments import DEFAULT_RULES, ChangingEnvironment
     from rollout.rewards.tasks import get_task
 
-    make = ChangingEnvironment(switch_every=switch_every).make if task == "online" else get_task(task).make
+    online = task == "online"
+    make = ChangingEnvironment(switch_every, tuple(rules) or DEFAULT_RULES).make if online else get_task(task).make
     rng = random.Random(seed)
     rows = []
     for i in range(num_problems):
@@ -238,7 +240,8 @@ def build_prompt_source(cfg, tokenizer, seed: int, *, num_problems: int = 4096, 
                          label_key=getattr(cfg, "label_key", ""), split=getattr(cfg, "dataset_split", "train"))
         name = cfg.dataset
     else:
-        rows, name = task_rows(cfg.task, seed, num_problems, switch_every), f"task {cfg.task}"
+        rules = tuple(getattr(cfg, "env_rules", ()) or ())
+        rows, name = task_rows(cfg.task, seed, num_problems, switch_every, rules), f"task {cfg.task}"
     return PromptSource(rows, tokenizer, seed, max_prompt_len=cfg.max_prompt_len, bad_row=cfg.bad_row,
                         chat_template=chat_template, name=name, system_prompt=getattr(cfg, "system_prompt", ""),
                         template_kwargs=template_kwargs(cfg))

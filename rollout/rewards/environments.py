@@ -14,6 +14,23 @@ A random-init model scores about the class's share of the vocabulary (0.1-0.3) a
 learns a style within a few tens of steps, so the reward visibly drops at each switch and recovers:
 "steps to recover" measures adaptation rather than noise.
 
+Drift rules (`DRIFT_RULES`, the --full online bench): overlapping classes, as real drift overlaps,
+so that every phase is reachable at its start by construction rather than by credit for the old class:
+- "drift_digits":      0123456789        (shares 8, 9 with drift_capitals)
+- "drift_capitals":    89ABCDEFGHIJ      (shares I, J with drift_punctuation)
+- "drift_punctuation": IJ!#$%&*+?@^~012  (shares 0, 1, 2 with drift_digits)
+Score = the number of distinct in-class characters / max(len(response), DRIFT_LENGTH): 1.0 takes
+DRIFT_LENGTH different characters of the class, and a repeated or short answer scores less. This keeps
+a policy that learned a phase spread over its class rather than on one character (which alone would
+decide whether the next phase starts at 0 or at 1). A policy at 1.0 answering 8 characters of its class
+at random starts the next phase at 2 x 8/10 / 8 = 0.20, 2 x 8/12 / 8 = 0.17 and 3 x 8/16 / 8 = 0.19
+(tests/unit/rollout/rewards/test_online_environment.py); one that learned less starts lower. The
+cycle of three returns to drift_digits at phase 4. The return link goes through 0, 1, 2, which the
+capitals phase does not reward, so a drift_punctuation policy reaches it only by finding them again
+(or by digits it still emits): three of its 16 characters, because with two of 12 (0, 1) two of three
+measured runs started phase 4 below 0.05. DRIFT_LENGTH = 8 is the tiny recipes' max_new_tokens; with
+fewer tokens 1.0 cannot be reached.
+
 Letter rules (each maps the letter to the rewarded target string):
 - "upper":  x -> "X"
 - "double": x -> "xx"
@@ -42,6 +59,20 @@ RULES = {
     "next": lambda c: string.ascii_lowercase[(string.ascii_lowercase.index(c) + 1) % 26],
 }
 DEFAULT_RULES = ("digits", "capitals", "punctuation")
+DRIFT_CLASSES = {
+    "drift_digits": "0123456789",
+    "drift_capitals": "89ABCDEFGHIJ",
+    "drift_punctuation": "IJ!#$%&*+?@^~012",
+}
+DRIFT_RULES = tuple(DRIFT_CLASSES)
+DRIFT_LENGTH = 8
+KNOWN_RULES = sorted(RULES.keys() | STYLES.keys() | DRIFT_CLASSES.keys())
+
+
+def drift_score(response: str, chars: str) -> float:
+    """Distinct characters of the stripped response in `chars`, over max(its length, DRIFT_LENGTH)."""
+    r = response.strip()
+    return len(set(r) & set(chars)) / max(len(r), DRIFT_LENGTH)
 
 
 @dataclass(frozen=True)
@@ -52,9 +83,9 @@ class ChangingEnvironment:
     def __post_init__(self):
         if self.switch_every < 1:
             raise ValueError(f"online environment: switch_every={self.switch_every} < 1; use 1 or more steps")
-        unknown = [r for r in self.rules if r not in RULES and r not in STYLES]
+        unknown = [r for r in self.rules if r not in KNOWN_RULES]
         if unknown or not self.rules:
-            raise ValueError(f"online environment: unknown rules {unknown}; choose from {sorted(RULES | STYLES)}")
+            raise ValueError(f"rollout.env_rules: unknown rules {unknown} (or none); choose from {KNOWN_RULES}")
 
     def phase(self, step: int) -> int:
         return (max(step, 0) // self.switch_every) % len(self.rules)
@@ -72,6 +103,8 @@ class ChangingEnvironment:
 
     def score(self, response: str, letter: str, step: int) -> float:
         r = response.strip()
+        if self.rule(step) in DRIFT_CLASSES:
+            return drift_score(r, DRIFT_CLASSES[self.rule(step)])
         if self.rule(step) in STYLES:
             return style_score(r, self.rule(step))
         target = self.target(letter, step)

@@ -60,6 +60,9 @@ class RolloutConfig:
     dataset: str = doc("", "Prompt file (jsonl or parquet) with a 'prompt' field (and 'answer').")
     env_switch_every: int = doc(50, "Task 'online': the rewarded rule switches every this many trainer steps.",
                                 bounds=">= 1")
+    env_rules: list = doc([], "Task 'online': the cycle of rules, one per phase ([] = digits, capitals, punctuation; "
+                              "drift_digits, drift_capitals, drift_punctuation: overlapping classes, "
+                              "rollout/rewards/environments.py).")
     bad_row: Literal["skip", "fail"] = doc("skip", "A malformed dataset row is reported and skipped, or fails the run.")
     prompt_key: str = doc("prompt", "Dataset field holding the prompt (a string or a list of chat messages).")
     label_key: str = doc("", "Dataset field holding the label the reward checks; '' = 'answer', else 'label'.")

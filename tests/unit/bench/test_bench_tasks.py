@@ -104,3 +104,19 @@ def test_the_online_report_compares_auc_after_the_first_phase_per_seed_and_count
     # do not overlap, so 2 of the C(10, 5) = 252 relabelings are as extreme: p = 0.008
     assert "| sao - running_mean | 5 / 5 | 0.300 [0.277, 0.323] | 0.000 | 0.008 (exact, 252) |" in text
     assert "| first higher |" in text
+
+
+def test_the_full_online_variant_runs_four_phases_of_the_drift_rules_back_to_the_first():
+    from bench.online import run_specs, variant
+    from rollout.rewards.environments import DEFAULT_RULES, DRIFT_RULES, ChangingEnvironment
+    from sao_megatron.core.config.recipe import parse_override
+
+    specs = run_specs(variant(full=True), [])
+    assert len(specs) == 30                                     # 3 methods x 10 seeds
+    overrides = dict(parse_override(o) for o in specs[0][1])
+    env = ChangingEnvironment(overrides["rollout.env_switch_every"], tuple(overrides["rollout.env_rules"]))
+    phases = [env.rule(k * env.switch_every) for k in range(overrides["run.num_steps"] // env.switch_every)]
+    assert phases == ["drift_digits", "drift_capitals", "drift_punctuation", "drift_digits"] == [*DRIFT_RULES,
+                                                                                                 DRIFT_RULES[0]]
+    default = dict(parse_override(o) for o in run_specs(variant(), [])[0][1])
+    assert default["rollout.env_rules"] == list(DEFAULT_RULES)
