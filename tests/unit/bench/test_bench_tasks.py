@@ -75,7 +75,6 @@ def test_a_bf16_engine_is_started_with_dtype_bf16_and_weight_sync_casts_to_it(mo
 
     started = {}
     monkeypatch.setattr(reference_server, "launch_local", lambda *a, **kw: started.update(kw) or "server")
-    monkeypatch.setattr(engines, "_has_indexer", lambda recipe: False)
     recipe = Recipe()
     recipe.model.path = str(tmp_path)
     assert engines.engine_weight_dtype(recipe) is None

@@ -181,7 +181,7 @@ def test_engines_are_built_from_the_recipe(tiny_model_dir, tmp_path, monkeypatch
     engines_mod.launch_engine(recipe, 0, "k", tmp_path)
     recipe_tp1 = load_recipe(None, [f"model.path='{tiny_model_dir}'"])
     engines_mod.launch_engine(recipe_tp1, 1, "k", tmp_path)
-    assert launched == [["--tp", "2"], None]
+    assert launched == [["--tp", "2"], ["--tp", "1"]]
 
     clients = engines_mod.engine_clients(recipe, ["http://127.0.0.1:1", "http://127.0.0.1:2"], "k")
     assert [(c.moe_topk, c.num_layers) for c in clients] == [(2, 4), (2, 4)]
