@@ -24,12 +24,14 @@ DRIFT_LENGTH different characters of the class, and a repeated or short answer s
 a policy that learned a phase spread over its class rather than on one character (which alone would
 decide whether the next phase starts at 0 or at 1). A policy at 1.0 answering 8 characters of its class
 at random starts the next phase at 2 x 8/10 / 8 = 0.20, 2 x 8/12 / 8 = 0.17 and 3 x 8/16 / 8 = 0.19
-(tests/unit/rollout/rewards/test_online_environment.py); one that learned less starts lower. The
+(tests/unit/rollout/rewards/test_online_environment.py); one that learned less, or on fewer characters, can
+start far lower (or higher, from characters it still emits from two phases back). The
 cycle of three returns to drift_digits at phase 4. The return link goes through 0, 1, 2, which the
 capitals phase does not reward, so a drift_punctuation policy reaches it only by finding them again
-(or by digits it still emits): three of its 16 characters, because with two of 12 (0, 1) two of three
-measured runs started phase 4 below 0.05. DRIFT_LENGTH = 8 is the tiny recipes' max_new_tokens; with
-fewer tokens 1.0 cannot be reached.
+(or by digits it still emits): three of its 16 characters, because with two of 12 (0, 1) all three
+measured runs started phase 4 below 0.05. Measured starts, and what a 40-step phase learns instead:
+bench/online.py. DRIFT_LENGTH = 8 is the tiny recipes' max_new_tokens; with fewer tokens 1.0 cannot
+be reached.
 
 Letter rules (each maps the letter to the rewarded target string):
 - "upper":  x -> "X"
