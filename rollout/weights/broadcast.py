@@ -30,7 +30,7 @@ from sao_megatron.core.ports import free_port
 
 from .base import SessionSync, engine_ranks, sender_address
 from .buckets import Bucket, broadcast_flat, create_sender_group, iter_buckets
-from .calls import PushError, in_daemon_thread, payload_device, pinned, run_all
+from .calls import PushError, SerialThread, in_daemon_thread, payload_device, pinned, run_all
 from .fp8_blocks import SCALE_SUFFIX, Fp8Layout
 from .receiver import WeightReceiver
 
@@ -119,7 +119,8 @@ class BroadcastWeightSync(SessionSync):
         await self.connect()
         device = payload_device(self.backend)
         bucket_bytes = int(self.cfg.bucket_mb * 2**20)
-        steps = []   # the buckets in flight, oldest first: (wire, whole bucket)
+        steps = []   # the buckets in flight, oldest first: (its broadcast, the whole bucket)
+        wire = SerialThread("weight-sync-wire")   # the sender's broadcasts, one after the other
         try:
             for i, bucket in enumerate(iter_buckets(non_expert_first(named_tensors, bucket_bytes), bucket_bytes)):
                 if len(steps) == 2:
@@ -127,18 +128,21 @@ class BroadcastWeightSync(SessionSync):
                     steps.pop(0)
                 flat = await self._payload(bucket, device, i % 2)
                 bucket.release()
-                steps.append(self._start_bucket(bucket, flat, version, f"bucket {i}", steps[-1] if steps else None))
+                steps.append(self._start_bucket(bucket, flat, version, f"bucket {i}", wire,
+                                                steps[-1][1] if steps else None))
             for _, done in steps:
                 await done
         except BaseException:
-            for wire, done in steps:
-                for future in (done, wire):
+            for sent, done in steps:
+                for future in (done, sent):
                     if future.done():
                         future.cancelled() or future.exception()   # retrieved: raised once, below
                     else:
                         future.cancel()
             self.group = None  # a failed collective leaves the group unusable: rebuild on the next push
             raise
+        finally:
+            wire.close()
 
     async def _payload(self, bucket: Bucket, device: torch.device, slot: int) -> torch.Tensor:
         """The bucket's payload in flat buffer `slot`, grown when the bucket is larger. A bucket larger than
@@ -156,19 +160,12 @@ class BroadcastWeightSync(SessionSync):
             self._buffers[slot] = flat
         return flat
 
-    def _start_bucket(self, bucket: Bucket, flat: torch.Tensor, version: int, label: str,
-                      previous: Optional[tuple]) -> tuple:
-        """Bucket `label` in flight: (the sender's broadcast, started once the previous one left the
-        sender; the whole bucket, its engine calls issued once the previous bucket is done)."""
-        wire = asyncio.ensure_future(self._broadcast_after(flat, previous[0] if previous else None))
-        done = asyncio.ensure_future(self.send_flat(bucket, flat, version, label, wire,
-                                                    after=previous[1] if previous else None))
-        return wire, done
-
-    async def _broadcast_after(self, flat: torch.Tensor, previous: Optional[asyncio.Future]) -> None:
-        if previous is not None:
-            await previous
-        await in_daemon_thread(pinned, flat.device, broadcast_flat, flat, self.group)
+    def _start_bucket(self, bucket: Bucket, flat: torch.Tensor, version: int, label: str, wire: SerialThread,
+                      previous: Optional[asyncio.Future]) -> tuple:
+        """Bucket `label` in flight: (the sender's broadcast, queued behind the previous bucket's in the
+        wire thread; the whole bucket, its engine calls issued once the `previous` bucket is done)."""
+        sent = wire.submit(pinned, flat.device, broadcast_flat, flat, self.group)
+        return sent, asyncio.ensure_future(self.send_flat(bucket, flat, version, label, sent, after=previous))
 
     async def send_flat(self, bucket: Bucket, flat: torch.Tensor, version: int, label: str = "bucket",
                         wire: Optional[asyncio.Future] = None, after: Optional[asyncio.Future] = None) -> None:

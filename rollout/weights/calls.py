@@ -11,6 +11,7 @@ device is per thread and a new thread starts on cuda:0.
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 from typing import Awaitable
 
@@ -69,6 +70,49 @@ def in_daemon_thread(fn, *args) -> asyncio.Future:
 
     threading.Thread(target=work, daemon=True, name=f"weight-sync-{getattr(fn, '__name__', 'call')}").start()
     return future
+
+
+class SerialThread:
+    """One daemon thread that runs blocking calls in the order submitted (a push's broadcasts, back to back,
+    with no thread start or event-loop turn between two); `submit` returns a future of the call's outcome.
+    Once a call fails, or its future was cancelled, the calls queued after it fail without running: the
+    collectives after a broken one would meet the peers' next calls. Daemon, as `in_daemon_thread`."""
+
+    def __init__(self, name: str):
+        self._loop = asyncio.get_running_loop()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, daemon=True, name=name).start()
+
+    def submit(self, fn, *args) -> asyncio.Future:
+        future = self._loop.create_future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def close(self) -> None:
+        """The thread ends after the calls already submitted."""
+        self._queue.put(None)
+
+    def _serve(self) -> None:
+        broken = None
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if broken is None and future.cancelled():
+                broken = "its call was cancelled"
+            if broken is not None:
+                outcome = (future.set_exception, RuntimeError(f"not run: an earlier call in this thread failed "
+                                                              f"({broken})"))
+            else:
+                try:
+                    outcome = (future.set_result, fn(*args))
+                except BaseException as err:  # noqa: BLE001 - re-raised in the awaiting coroutine
+                    broken, outcome = f"{type(err).__name__}: {err}", (future.set_exception, err)
+            if not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(_settle, future, *outcome)
+
+
+def _settle(future: asyncio.Future, setter, value) -> None:
+    if not future.done():
+        setter(value)
 
 
 def payload_device(backend: str) -> torch.device:

@@ -102,3 +102,29 @@ def test_the_next_bucket_leaves_the_sender_before_the_engines_answer(monkeypatch
     assert len(times["wire"]) == len(times["call"]) == len(times["answer"]) >= 3
     assert times["wire"][1] < times["answer"][0]                        # bucket 1 left before bucket 0's reply
     assert all(c > a for c, a in zip(times["call"][1:], times["answer"]))   # one call at a time, in order
+
+
+def test_the_wire_thread_runs_calls_in_order_and_none_after_a_failure():
+    """A push's broadcasts run back to back in one thread, in the order submitted; after a failed (or
+    cancelled) one, the later ones fail without running: they would meet the peers' next collectives."""
+    from rollout.weights.calls import SerialThread
+
+    ran = []
+
+    def call(i):
+        ran.append(i)
+        if i == 2:
+            raise ValueError("peer gone")
+        return i
+
+    async def scenario():
+        wire = SerialThread("weight-sync-test")
+        futures = [wire.submit(call, i) for i in range(4)]
+        wire.close()
+        return await asyncio.gather(*futures, return_exceptions=True)
+
+    outcomes = asyncio.run(scenario())
+    assert outcomes[:2] == [0, 1] and ran == [0, 1, 2]
+    assert isinstance(outcomes[2], ValueError)
+    assert isinstance(outcomes[3], RuntimeError) and "earlier call in this thread failed (ValueError: peer gone)" \
+        in str(outcomes[3])
