@@ -23,7 +23,7 @@ level (mean of its first WINDOW steps after the left-out one); a phase is reacha
 level is at least REACHABLE. The seed is the unit: `auc_per_seed` is a seed's mean AUC over every phase
 after the first, which the report compares between methods (Welch and permutation tests, bench/stats.py).
 
---full (not run yet: about 2 h on 2 CPU cores with jobs=2 when idle): 10 seeds, 4 phases of 40 steps of
+--full (run 2026-12-05: 30 runs in 17 min on 2 CPU cores with jobs=2; results/online.json): 10 seeds, 4 phases of 40 steps of
 the drift rules (rollout/rewards/environments.py: drift_digits 0-9, drift_capitals 89A-J, drift_punctuation
 IJ + 11 marks + 012; score = distinct class characters over max(length, 8)), the fourth phase a return
 to the first, from random init (recipes/tiny_moe_cpu.toml) rather than the SFT start. Each class shares
