@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
+from typing import Optional
 
 from bench.algorithms import ALGORITHMS, budget_overrides
 from bench.sft_start import TASK, from_sft, sft_info, sft_start
@@ -44,6 +45,16 @@ WINDOW = 10
 STEPS, WARMUP = 120, 10
 FULL_STEPS, FULL_SEEDS = 240, list(range(1, 11))
 LEARNED_THRESHOLD = 0.10      # peak accuracy must rise 10 points above the start for a run to count as learned
+
+
+def select_arms(arms: list[str], known: list[str]) -> list[str]:
+    """`arms` in the variant's order; ValueError naming --arms for an unknown arm or one without sao
+    (every comparison is against SAO)."""
+    unknown = [a for a in arms if a not in known]
+    if unknown or "sao" not in arms:
+        raise ValueError(f"--arms {','.join(arms)}: " + (f"unknown arms {unknown}" if unknown else "sao is missing")
+                         + f"; choose sao and any of {', '.join(known)}")
+    return [a for a in known if a in arms]
 
 
 def _moving(values: list[float]) -> list[float]:
@@ -92,14 +103,17 @@ def collapse_signals(rows: list[dict]) -> dict:
     }
 
 
-def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False, jobs: int = 1) -> dict:
+def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False, jobs: int = 1,
+        arms: Optional[list[str]] = None) -> dict:
     """quick: 3 steps of SAO from a 2-step SFT; default: 5 algorithms x 5 seeds x 120 policy steps
     in the setting above (about 25 min on 2 CPU cores with jobs=2); full: every arm x 10 seeds x 240 steps
-    in FULL_SETTING (hours)."""
+    in FULL_SETTING (hours). `arms` (`--arms sao,grpo`) runs only those arms of the variant."""
     from bench.algorithms import ARMS_FULL
 
     steps, warmup = (3, 1) if quick else ((FULL_STEPS, WARMUP) if full else (STEPS, WARMUP))
     algos = ["sao"] if quick else (list(ARMS_FULL) if full else list(ALGORITHMS))
+    if arms and not quick:
+        algos = select_arms(arms, algos)
     seeds = [1] if quick else (FULL_SEEDS if full else [1, 2, 3, 4, 5])
     setting = FULL_SETTING if full else SETTING
     model = sft_start(out_dir, quick)

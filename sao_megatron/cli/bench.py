@@ -25,6 +25,9 @@ def register(sub) -> None:
     parser.add_argument("--tasks", default=None,
                         help="comma-separated tasks for benchmarks that take them (algorithms: arithmetic,copy); "
                              "rows of other tasks already in NAME.json with the same sizes are kept")
+    parser.add_argument("--arms", default=None,
+                        help="comma-separated arms for benchmarks that take them (stability: sao,grpo); sao must "
+                             "be one of them (every comparison is against it)")
     parser.add_argument("--jobs", type=int, default=1,
                         help="training runs at a time in the learning benchmarks (algorithms, stability, online); "
                              "their learning metrics do not depend on it, their wall times do")
@@ -47,7 +50,8 @@ def run(args) -> int:
     for name in names:
         try:
             result = run_one(name, args.quick, out_dir, full=args.full,
-                             tasks=args.tasks.split(",") if args.tasks else None, jobs=args.jobs)
+                             tasks=args.tasks.split(",") if args.tasks else None, jobs=args.jobs,
+                             arms=args.arms.split(",") if args.arms else None)
         except Exception as err:  # one failed benchmark must not hide the others' results
             failed.append(name)
             print(f"bench {name}: FAILED: {type(err).__name__}: {err}", file=sys.stderr)

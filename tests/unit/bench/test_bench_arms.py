@@ -1,0 +1,36 @@
+"""`sao bench stability --arms`: a subset of the variant's arms, in the variant's order, SAO always among them."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from bench import runner
+from bench.algorithms import ARMS_FULL
+from bench.stability import run, select_arms
+
+
+def test_arms_keep_the_variants_order():
+    assert select_arms(["grpo", "sao"], list(ARMS_FULL)) == ["sao", "grpo"]
+
+
+@pytest.mark.parametrize("arms, says", [(["sao", "nope"], "unknown arms ['nope']"), (["grpo"], "sao is missing")])
+def test_a_bad_arm_list_is_one_line_naming_the_option(arms, says):
+    with pytest.raises(ValueError) as err:
+        select_arms(arms, list(ARMS_FULL))
+    message = str(err.value)
+    assert message.startswith("--arms ") and says in message and "\n" not in message
+
+
+def test_the_runner_hands_arms_to_the_benchmarks_that_take_them(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_run(quick=False, out_dir=None, full=False, jobs=1, arms=None):
+        seen.update(arms=arms, full=full)
+        return {"summary": ""}
+
+    assert "arms" in inspect.signature(run).parameters
+    monkeypatch.setattr("bench.stability.run", fake_run)
+    result = runner.run_one("stability", False, tmp_path, full=True, jobs=2, arms=["sao", "grpo"])
+    assert seen == {"arms": ["sao", "grpo"], "full": True}
+    assert result["command"] == "sao bench stability --full --arms sao,grpo --jobs 2"
