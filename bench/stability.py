@@ -18,8 +18,10 @@ WINDOW batches (peak_gain() says why) and
 learned. `collapse_step` = the first policy step at which the reward-collapse condition holds on the
 running values (None: never), the time Kaplan-Meier curves and log-rank tests (bench/survival.py) read.
 
-`--full` (not run yet: hours on 2 CPU cores) uses 10 seeds per arm at the demo's own learning rate with
-the staleness pushed to 8, so that runs first learn and then may collapse. One check (SAO, seed 1,
+`--full` uses 10 seeds per arm at the demo's own learning rate with the staleness pushed to 8, so that
+runs first learn and then may collapse; every arm is hours on 2 CPU cores, `--arms sao,grpo` 25 min
+(run 2026-12-05, results/stability.json: every run of both arms learned, peak gain 0.26 and 0.23; no
+run's accuracy collapsed; one SAO run passed the ratio-divergence bound, 3.01x against 3x). One check (SAO, seed 1,
 200-step SFT start, 2026-12-04): start 0.42, peak gain 0.18 (learned), final 0.58, staleness mean 7.5, no
 collapse and no grad-norm spike in 240 steps. Whether the other arms collapse there is what the full run
 will show; if none does, the setting tests learning under staleness, not collapse, and the report says so.

@@ -233,6 +233,12 @@ def test_the_stability_report_draws_survival_from_collapse_steps_and_says_when_a
     assert "No run collapsed" not in text
     calm = {a: dict(v, runs=[dict(x, collapsed=False) for x in v["runs"]]) for a, v in result["results"].items()}
     assert "No run collapsed in this file" in stability_section(dict(result, results=calm), lambda *a: "")
+    assert "No run's accuracy collapsed" not in text
+    # a ratio divergence but no accuracy collapse anywhere: nothing for the log-rank test, and it says so
+    no_drop = {a: dict(v, runs=[dict(x, collapse_step=None) for x in v["runs"]]) for a, v in result["results"].items()}
+    no_drop["sao"]["runs"][0].update(collapsed=True, ratio_divergence=True)
+    said = stability_section(dict(result, results=no_drop), lambda *a: "")
+    assert "No run's accuracy collapsed in any arm" in said and "cannot tell" in said
     for run in result["results"]["sao"]["runs"]:
         del run["collapse_step"]
     assert "Time to collapse: not recorded in this file" in stability_section(result, lambda *a: "")
