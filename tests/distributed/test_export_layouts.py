@@ -24,7 +24,8 @@ def _save_run(model_dir: str, run_dir: str, layout: dict, fmt: str) -> dict:
     from parallel.rl_model import RLModel
     from sao_megatron.core.config import load_recipe
 
-    source = Path(run_dir).parent / "recipe.toml"
+    # one file per rank: two ranks writing the same file let one read it half written (model.path empty)
+    source = Path(run_dir).parent / f"recipe-rank{torch.distributed.get_rank()}.toml"
     source.write_text(f'[run]\nname = "{Path(run_dir).name}"\noutput_dir = "{Path(run_dir).parent}"\n'
                       f'[model]\npath = "{model_dir}"\n[algorithm]\nlr = 1e-2\n[critic]\nlr = 1e-2\n'
                       f'[checkpoint]\nformat = "{fmt}"\n')
