@@ -200,19 +200,23 @@ def _receive_all(state, names, dtypes, shapes, group_name, load_format):
     return tensors
 
 
+def _install(state, tensors, version: Optional[int], flush: bool) -> bool:
+    """On the scheduler: validate every tensor before writing any, write them, set the version, and ask for
+    the flush (SGLang's order); False when the flush was refused."""
+    staged = state.weights.prepare(tensors)   # --quantization fp8: FP8 pairs -> model dtype, or refused
+    for name, tensor in staged:
+        state.weights.check(name, tensor.dtype, list(tensor.shape))
+    for name, tensor in staged:
+        state.weights.load(name, tensor)
+    if version is not None:
+        state.scheduler.version = version
+    return not flush or state.scheduler.flush_cache()
+
+
 async def _load(state, tensors, version: Optional[int], flush: bool, success: str) -> web.Response:
-    """Validate every tensor, then write them, set the version, and ask for the flush (SGLang's order)."""
-    def load():
-        staged = state.weights.prepare(tensors)   # --quantization fp8: FP8 pairs -> model dtype, or refused
-        for name, tensor in staged:
-            state.weights.check(name, tensor.dtype, list(tensor.shape))
-        for name, tensor in staged:
-            state.weights.load(name, tensor)
-        if version is not None:
-            state.scheduler.version = version
-        return not flush or state.scheduler.flush_cache()
+    """Install the tensors (`_install`) and answer as SGLang's update calls do."""
     try:
-        flushed = await on_scheduler(state, load)
+        flushed = await on_scheduler(state, lambda: _install(state, tensors, version, flush))
     except (UnknownWeightError, ValueError) as err:
         return result(False, f"Failed to update parameter online: {str(err).strip(chr(34))}")
     if not flushed:
@@ -253,18 +257,8 @@ async def update_from_disk(state, request: web.Request) -> web.Response:
                                  f"{state.weight_sync_timeout_s:g} s (--weight-sync-timeout-s; a hung file or "
                                  "mount?). The old weights stay.", num_paused_requests=0)
         await _abort_if_asked(state, body)
-
-        def load():
-            staged = state.weights.prepare(tensors)   # --quantization fp8: FP8 pairs -> model dtype, or refused
-            for name, tensor in staged:                # all checks before any write
-                state.weights.check(name, tensor.dtype, list(tensor.shape))
-            for name, tensor in staged:
-                state.weights.load(name, tensor)
-            if version is not None:
-                state.scheduler.version = version
-            return not flush or state.scheduler.flush_cache()
         try:
-            flushed = await on_scheduler(state, load)
+            flushed = await on_scheduler(state, lambda: _install(state, tensors, version, flush))
         except (UnknownWeightError, ValueError) as err:
             return result(False, f"Failed to update weights: {str(err).strip(chr(34))}", num_paused_requests=0)
         if not flushed:
