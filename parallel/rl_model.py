@@ -113,14 +113,17 @@ class RLModel:
         for module in self.modules:
             load_hf_tensors(module, self._mapping(), hf_tensors, skip)
 
-    def export_hf(self, scope: str = "all") -> Iterator[tuple[str, torch.Tensor]]:
+    def export_hf(self, scope: str = "all", snapshot: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """Full HF-named tensors, gathered over TP/EP (and PP with scope="all"), yielded on every rank
         in the same order; scope="stage" yields only this pipeline stage's tensors, on its ranks;
         scope="shares" yields (name, tensor, (i, n)) for the tensors this rank holds after its TP
         gather, as holder i of n (parallel/weights.py), for shard writes from every rank.
-        The critic yields its backbone and ``value_head.weight``."""
+        The critic yields its backbone and ``value_head.weight``. snapshot=False yields views of the live
+        parameters where a tensor needs no conversion: only for a consumer done with them before the
+        next optimizer step (the broadcast sender, rollout/weights/plan.py)."""
         self.parking.unpark()
-        yield from export_hf_tensors(self.modules, self._mapping(), value_head=self.role == "critic", scope=scope)
+        yield from export_hf_tensors(self.modules, self._mapping(), value_head=self.role == "critic", scope=scope,
+                                     snapshot=snapshot)
 
     # -- forward -----------------------------------------------------------------------------------
     def _before_forward(self, chunk_index: int, batch: TrainBatch) -> None:

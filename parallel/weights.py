@@ -132,14 +132,16 @@ def _own_storage(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _gather_and_convert(source: _Source, keep: set, holders: bool = False) -> dict[str, torch.Tensor]:
+def _gather_and_convert(source: _Source, keep: set, holders: bool = False,
+                        snapshot: bool = True) -> dict[str, torch.Tensor]:
     """Every rank holding `source` takes part in its TP gather; the owner (with `holders`, every rank
-    of the gather: each has all the pieces) keeps the HF tensors in `keep`."""
+    of the gather: each has all the pieces) keeps the HF tensors in `keep`, each in its own memory
+    (`snapshot`) or as it comes (a view of the parameter where no conversion was needed)."""
     _, size, group = source.tp
     pieces = _gather_tp(source.param, size, group)
     if not (source.owns or holders):
         return {}
-    return {n: _own_storage(t, source.param) for n, t in _convert(source, pieces) if n in keep}
+    return {n: _own_storage(t, source.param) if snapshot else t for n, t in _convert(source, pieces) if n in keep}
 
 
 def _natural_key(name: str):
@@ -185,7 +187,7 @@ def _catalog(sources: list[_Source], scope: str):
 
 
 def export_hf_tensors(modules, base: HFMapping, value_head: bool = False,
-                      scope: str = "all") -> Iterator[tuple]:
+                      scope: str = "all", snapshot: bool = True) -> Iterator[tuple]:
     """Yield (HF name, full tensor) in natural name order, streamed.
 
     scope="all": every tensor of the model, on every rank (stages broadcast theirs to all).
@@ -203,6 +205,11 @@ def export_hf_tensors(modules, base: HFMapping, value_head: bool = False,
     joins its TP gather then, so each group's collectives run in the same order on its ranks), and
     its other HF tensors wait for their own turns: the export holds one tensor being gathered and
     what is left of the one before it (weight_sync.max_sender_mb bounds the sender: docs/weights.md).
+
+    snapshot (the default): each tensor owns exactly its bytes, a copy of the parameter at export time.
+    snapshot=False: a tensor that needs no conversion is a view of the live parameter (with Megatron's
+    distributed optimizer, of its contiguous parameter buffer: the broadcast sender sends runs of it
+    without a copy, rollout/weights/buckets.py); valid only until the parameters change.
     """
     if scope not in ("all", "stage", "shares"):
         raise ValueError(f"export scope {scope!r}; use 'all', 'stage' or 'shares'")
@@ -223,7 +230,7 @@ def export_hf_tensors(modules, base: HFMapping, value_head: bool = False,
     distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
     for i, name in enumerate(order):
         if i in due:
-            ready.update(_gather_and_convert(due.pop(i), keep, holders=scope == "shares"))
+            ready.update(_gather_and_convert(due.pop(i), keep, holders=scope == "shares", snapshot=snapshot))
         src, shape, dtype = owner[name]
         if scope == "shares":
             if name in ready:

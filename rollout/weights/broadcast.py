@@ -122,7 +122,7 @@ class BroadcastWeightSync(SessionSync):
         steps = []   # the buckets in flight, oldest first: (its broadcast, the whole bucket)
         wire = SerialThread("weight-sync-wire")   # the sender's broadcasts, one after the other
         try:
-            for i, bucket in enumerate(iter_buckets(non_expert_first(named_tensors, bucket_bytes), bucket_bytes)):
+            for i, bucket in enumerate(iter_buckets(non_expert_first(named_tensors, bucket_bytes), bucket_bytes, device)):
                 if len(steps) == 2:
                     await steps[0][1]       # bucket i-2 is done: its buffer is this bucket's
                     steps.pop(0)
@@ -145,16 +145,17 @@ class BroadcastWeightSync(SessionSync):
             wire.close()
 
     async def _payload(self, bucket: Bucket, device: torch.device, slot: int) -> torch.Tensor:
-        """The bucket's payload in flat buffer `slot`, grown when the bucket is larger. A bucket larger than
-        the buffer (a tensor above the bucket size, alone) that already lies in one run of memory on the
-        payload device goes from that memory instead, without a copy, and takes the buffer's place (the
-        buffer is dropped, not grown), so the sender never holds more than with the copy."""
+        """The bucket's payload: its own memory when its tensors already lie there back to back, in
+        order (a run of the model's parameters, iter_buckets; a lone tensor), never a copy then; else
+        copied into flat buffer `slot`, grown when the bucket is larger. A bucket larger than the buffer
+        sent from its own memory takes the buffer's place (the buffer is dropped, not grown), so the
+        sender never holds more than with the copy."""
         buffer = self._buffers[slot]
-        if buffer is None or bucket.nbytes > buffer.numel():
-            own = bucket.in_place(device)
-            if own is not None:
-                self._buffers[slot] = None   # never a buffer: the next flatten must not write the tensors
-                return own
+        own = bucket.in_place(device)
+        if own is not None:
+            if buffer is not None and bucket.nbytes > buffer.numel():
+                self._buffers[slot] = None
+            return own   # never kept as a buffer: the next flatten must not write the model
         flat = await asyncio.to_thread(pinned, device, bucket.flatten, device, buffer)
         if buffer is None or flat.numel() > buffer.numel():
             self._buffers[slot] = flat

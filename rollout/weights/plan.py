@@ -36,6 +36,8 @@ class SenderRole:
     holder: int = 0        # share: its index among the n ranks of its TP group holding a gathered tensor
     holders: int = 1       # n (expert tensors are held by the expert-TP group: the export names each tensor's)
     labels_versions: bool = True   # its sender labels the version itself (shares: the driver does, after all)
+    snapshot: bool = True  # its export copies each tensor; False (broadcast): views of the live parameters,
+    #                        which the sender sends or copies before the push returns (training waits for it)
 
     @property
     def sends(self) -> bool:
@@ -75,7 +77,8 @@ def plan_weight_update(dims: ParallelDims, weight_sync, engines: int, engine_tp:
     world = world_size if world_size is not None else dims.world_size
     per_stage = max(world // max(dims.pp, 1), 1)
     turns = _turns(weight_sync, dims.pp, world)
-    roles = tuple(_role(rank, turns, rank // per_stage, rank % per_stage, dims.tp) for rank in range(world))
+    snapshot = weight_sync.method != "broadcast"   # disk and shard writes keep tensors past their turn
+    roles = tuple(_role(rank, turns, rank // per_stage, rank % per_stage, dims.tp, snapshot) for rank in range(world))
     return WeightPlan(weight_sync.method, turns, dims.pp, engines, engine_tp, roles, sender_bytes)
 
 
@@ -87,15 +90,16 @@ def _turns(weight_sync, pp: int, world: int) -> str:
     return "one"
 
 
-def _role(rank: int, turns: str, stage: int, index: int, tp: int) -> SenderRole:
+def _role(rank: int, turns: str, stage: int, index: int, tp: int, snapshot: bool) -> SenderRole:
     if turns == "shares":
-        return SenderRole(rank, "share", "shares", stage, holder=rank % tp, holders=tp, labels_versions=False)
+        return SenderRole(rank, "share", "shares", stage, holder=rank % tp, holders=tp, labels_versions=False,
+                          snapshot=snapshot)
     scope = "stage" if turns == "per_stage" else "all"
     if rank == 0:
-        return SenderRole(rank, "rank0", scope, stage)
+        return SenderRole(rank, "rank0", scope, stage, snapshot=snapshot)
     if turns == "per_stage" and index == 0:
-        return SenderRole(rank, "stage", scope, stage)
-    return SenderRole(rank, "none", scope, stage)
+        return SenderRole(rank, "stage", scope, stage, snapshot=snapshot)
+    return SenderRole(rank, "none", scope, stage, snapshot=snapshot)
 
 
 def plan_from_recipe(recipe, world_size: int, hf: dict | None = None) -> WeightPlan:

@@ -121,9 +121,9 @@ class WeightUpdates:
         role = self.plan.role(self.rank)   # its export scope and stage (rollout/weights/plan.py)
         if self.plan.turns == "per_stage":
             for stage in range(self.plan.pp):
-                await self._push_turn(self.policy.export_hf(scope=role.scope) if stage == role.stage else None, version)
+                await self._push_turn(self.policy.export_hf(scope=role.scope, snapshot=role.snapshot) if stage == role.stage else None, version)
         else:
-            await self._push_turn(self.policy.export_hf(scope=role.scope), version)
+            await self._push_turn(self.policy.export_hf(scope=role.scope, snapshot=role.snapshot), version)
         if self.plan.turns == "shares":
             # shard writes land in each engine rank's memory, one-sided: no engine blocks in a receive,
             # so every rank sent its share at once; the driver labels the version after all landed

@@ -35,7 +35,7 @@ class StagePolicy:
         self.mine = set(names[: len(names) // 2] if stage == 0 else names[len(names) // 2:])
         self.scale = 1.0
 
-    def export_hf(self, scope: str = "all"):
+    def export_hf(self, scope: str = "all", snapshot: bool = True):
         for name in sorted(self.hf):
             if scope == "all" or name in self.mine:
                 tensor = self.hf[name]

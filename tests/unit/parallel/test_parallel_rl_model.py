@@ -65,6 +65,13 @@ def _observe(model_dir: str) -> dict:
     exported = dict(model.export_hf())
     obs["export_names_equal"] = set(exported) == set(hf)
     obs["export_exact"] = all(torch.equal(exported[k], hf[k]) for k in hf)
+    # without a snapshot (the broadcast sender): the same tensors, those needing no conversion as views
+    params = {p.untyped_storage().data_ptr() for m in model.modules for p in m.parameters()}
+    views = dict(model.export_hf(snapshot=False))
+    obs["views_exact"] = set(views) == set(hf) and all(torch.equal(views[k], hf[k]) for k in hf)
+    obs["views_of_params"] = sum(t.untyped_storage().data_ptr() in params for t in views.values())
+    obs["snapshot_of_params"] = sum(t.untyped_storage().data_ptr() in params for t in exported.values())
+    obs["exported"] = len(exported)
 
     # routing replay: the router's own routes replay bit-exactly; forced routes reach the routing map
     recorded = _recorded_routes(model, batches[0])
@@ -122,6 +129,13 @@ def test_logprobs_and_entropy_match_hf_transformers(observed):
 
 def test_export_hf_round_trips_exactly(observed):
     assert observed["export_names_equal"] and observed["export_exact"]
+
+
+def test_export_without_a_snapshot_yields_views_of_the_parameters_where_nothing_is_converted(observed):
+    """snapshot=False (the broadcast sender) gives the same tensors; norms, routers, experts' gate/up/down
+    are views of the live parameters (no copy); q/k/v, which the export reorders, are copies either way."""
+    assert observed["views_exact"] and observed["snapshot_of_params"] == 0
+    assert observed["exported"] / 2 < observed["views_of_params"] < observed["exported"]
 
 
 def test_replaying_recorded_routes_is_bit_exact(observed):

@@ -47,6 +47,15 @@ def test_a_single_rank_trainer_sends_alone_whatever_the_method():
         assert _kinds(plan) == ["rank0"] and plan.roles[0].labels_versions and not plan.shares_endpoints
 
 
+def test_only_the_broadcast_export_yields_views_of_the_live_parameters():
+    """The broadcast sender sends or copies every tensor before its push returns; disk and shard writes
+    keep tensors past their turn, so their export copies (a snapshot)."""
+    for method, snapshot in (("broadcast", False), ("shard_writes", True), ("disk", True)):
+        for dims in (ParallelDims(), ParallelDims(tp=2, pp=2)):
+            plan = plan_weight_update(dims, WeightSyncConfig(method=method), 1, 2)
+            assert {r.snapshot for r in plan.roles} == {snapshot}
+
+
 def test_a_role_is_frozen():
     role = plan_weight_update(ParallelDims(), WeightSyncConfig(), 1, 1).role(0)
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -4,6 +4,7 @@ sender before the engines answered the one before."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import torch
@@ -128,3 +129,123 @@ def test_the_wire_thread_runs_calls_in_order_and_none_after_a_failure():
     assert isinstance(outcomes[2], ValueError)
     assert isinstance(outcomes[3], RuntimeError) and "earlier call in this thread failed (ValueError: peer gone)" \
         in str(outcomes[3])
+
+
+def _megatron_buffer(layers: int = 2, experts: int = 4, pad: int = 0):
+    """HF-named views of one parameter buffer laid out as Megatron's DDP lays out its params (the last
+    parameter first; `pad` elements before each, its distributed optimizer's alignment), in the export's
+    name order: per expert down (fc2), then gate and up (the halves of fc1)."""
+    params = []   # Megatron's module order: per expert fc1 [gate; up], then fc2
+    for layer in range(layers):
+        for e in range(experts):
+            params += [(f"model.layers.{layer}.mlp.experts.{e}.fc1", (2 * 8, 16)),
+                       (f"model.layers.{layer}.mlp.experts.{e}.fc2", (16, 8))]
+    total = sum(math.prod(s) + pad for _, s in params)
+    buffer, offset, views = torch.randn(total).to(torch.bfloat16), 0, {}
+    for name, shape in reversed(params):
+        offset += pad
+        views[name] = buffer[offset:offset + math.prod(shape)].view(shape)
+        offset += math.prod(shape)
+    named = []
+    for layer in range(layers):
+        for e in range(experts):
+            p = f"model.layers.{layer}.mlp.experts.{e}"
+            fc1 = views[f"{p}.fc1"]
+            named += [(f"{p}.down_proj.weight", views[f"{p}.fc2"]), (f"{p}.gate_proj.weight", fc1[:8]),
+                      (f"{p}.up_proj.weight", fc1[8:])]
+    return buffer, named
+
+
+def _check_partition(buckets, named, bucket_bytes):
+    sent = [n for b in buckets for n in b.names]
+    assert sorted(sent) == sorted(n for n, _ in named)                       # each tensor exactly once
+    assert all(b.nbytes <= bucket_bytes for b in buckets)
+    for b in buckets:
+        by_name = dict(named)
+        assert all(t is by_name[n] for n, t in zip(b.names, b.tensors))
+
+
+def test_views_of_a_reversed_parameter_buffer_go_in_runs_from_the_models_memory():
+    """Megatron lays parameters out last first, the export walks them in name order: the views are held
+    until they lie back to back, and each full run is a bucket sent from the buffer itself."""
+    from rollout.weights.buckets import iter_buckets
+
+    buffer, named = _megatron_buffer()
+    per_expert = 3 * 8 * 16 * 2
+    bucket_bytes = 3 * per_expert
+    buckets = list(iter_buckets(named, bucket_bytes, "cpu"))
+    _check_partition(buckets, named, bucket_bytes)
+    own = [b for b in buckets if b.in_place("cpu") is not None]
+    assert sum(b.nbytes for b in own) >= 0.7 * buffer.numel() * 2 and len(own) >= 2
+    for b in own:
+        view = b.in_place("cpu")
+        assert buffer.untyped_storage().data_ptr() <= view.data_ptr() < buffer.untyped_storage().data_ptr() + buffer.numel() * 2
+        assert torch.equal(view, b.flatten())
+    # without the payload device (or with another one) every bucket is copied, as before
+    for device in (None, "meta"):
+        copied = list(iter_buckets(named, bucket_bytes, device))
+        _check_partition(copied, named, bucket_bytes)
+        assert [n for b in copied for n in b.names] == [n for n, _ in named]
+
+
+def test_padding_between_parameters_breaks_a_run_and_short_runs_are_copied():
+    from rollout.weights.buckets import iter_buckets
+
+    _, named = _megatron_buffer(pad=64)     # every parameter starts after a gap: runs are one fc1 at most
+    buckets = list(iter_buckets(named, 3 * 8 * 16 * 2 * 8, "cpu"))
+    _check_partition(buckets, named, 3 * 8 * 16 * 2 * 8)
+    assert all(b.in_place("cpu") is None for b in buckets)                   # fc1 (512 B) < bucket / 4
+
+
+def test_a_tensor_that_must_share_a_call_with_a_view_before_it_takes_that_view_along():
+    """An FP8 scale follows its weight into the same update call, even when the weight was a view about
+    to close a run; fresh tensors (their own storage) are copied as before."""
+    from rollout.weights.buckets import iter_buckets
+    from rollout.weights.fp8_blocks import SCALE_SUFFIX
+
+    buffer, named = _megatron_buffer(layers=1, experts=2)
+    last = named[-1][0]
+    scale = (last + SCALE_SUFFIX, torch.ones(1, 1))
+    tied = ("lm_head.weight", named[0][1])       # a tied weight: the same memory under a second name
+    stream = named + [scale, ("model.norm.weight", torch.randn(16)), tied]
+    for bucket_bytes in (8 * 16 * 2, 3 * 8 * 16 * 2, 1 << 20):
+        buckets = list(iter_buckets(stream, bucket_bytes, "cpu"))
+        _check_partition(buckets, stream, max(bucket_bytes, 8 * 16 * 2) + 4)   # a scale may pass the bound
+        home = [b for b in buckets if scale[0] in b.names]
+        assert len(home) == 1 and last in home[0].names
+        norm = next(b for b in buckets if "model.norm.weight" in b.names)
+        assert norm.in_place("cpu") is None or len(norm.names) == 1
+        for b in buckets:                                                # no bytes twice in one payload
+            spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in b.tensors)
+            assert b.in_place("cpu") is None or all(e <= s for (_, e), (s, _) in zip(spans, spans[1:]))
+
+
+def test_runs_of_the_parameter_buffer_arrive_bit_exact_and_the_buffer_is_untouched():
+    buffer, named = _megatron_buffer(layers=3, experts=4)
+    before = buffer.clone()
+    stream = named + [("model.norm.weight", torch.randn(16)), ("lm_head.weight", torch.randn(24, 16))]
+
+    async def scenario(engines):
+        sync = BroadcastWeightSync(WeightSyncConfig(bucket_mb=3 * 8 * 16 * 2 * 2 / 2**20, timeout_s=60), engines)
+        for version in (1, 2):
+            async with sync.update_session():
+                await sync.push(stream, version=version)
+        got = {n: await engines[0].get_weights_by_name(n) for n, _ in stream}
+        await sync.close()
+        return got
+
+    got = asyncio.run(run_then_close([FakeEngine("e0")], scenario))
+    assert torch.equal(buffer, before)
+    assert all(torch.equal(got[n], t) and got[n].dtype == t.dtype for n, t in stream)
+
+
+def test_copying_a_live_parameter_leaves_its_storage_resizable():
+    """The broadcast export yields views of live parameters; the flatten must not mark their storage as
+    shared with numpy (Tensor.numpy() does: never resizable again), or the trainer's parking, which
+    frees a parameter's storage between steps (resize_(0)), fails."""
+    param = torch.nn.Parameter(torch.randn(8, 6))
+    bucket = _bucket(param.data[2:5], param.data[:, :3])          # rows, and a strided column split
+    flat = bucket.flatten()
+    assert torch.equal(flat, torch.cat([param.data[2:5].reshape(-1), param.data[:, :3].reshape(-1)]).view(torch.uint8))
+    param.data.untyped_storage().resize_(0)
+    assert param.data.untyped_storage().nbytes() == 0

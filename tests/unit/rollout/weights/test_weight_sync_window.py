@@ -59,7 +59,7 @@ class SessionSync:
 
 def _window(engines, driver, mode="in_place", fail=False, rank=0, world_size=1, sender=None):
     """A WeightUpdates with only what the window touches."""
-    policy = SimpleNamespace(export_hf=lambda scope="all": iter([("w", None)] * 3))
+    policy = SimpleNamespace(export_hf=lambda scope="all", snapshot=True: iter([("w", None)] * 3))
     recipe = SimpleNamespace(weight_sync=SimpleNamespace(pause_mode=mode, timeout_s=30.0, check_equal=False,
                                                          method="broadcast", senders="per_stage"),
                              parallel=SimpleNamespace(pp=1), run=SimpleNamespace(debug="none"))
