@@ -115,7 +115,7 @@ def choose_lr(per_lr: dict[float, list[float]]) -> float:
 
 
 def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False,
-        tasks: Optional[list[str]] = None, jobs: int = 1) -> dict:
+        tasks: Optional[list[str]] = None, jobs: int = 1, resume: bool = False) -> dict:
     """quick: scratch:4 with its held-out eval, SAO and running_mean, 1 seed of 2 steps from a 2-step SFT;
     default: chain:1:1, 5 arms x 5 seeds x 100 policy steps (about 20 min on 2 CPU cores with jobs=2);
     full: TASKS_FULL, every arm, lr sweep, 10 seeds x 300 steps, bf16 engine: 2 tasks x 7 arms x (3 lrs x 2
@@ -123,7 +123,9 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
     took about 130 s each, two at a time); `--tasks scratch:4` and `--tasks agent` split it. Not run yet.
 
     `tasks` runs only those tasks (same sizes) and keeps the other tasks' rows of an existing
-    out_dir/algorithms.json measured with the same steps and seeds."""
+    out_dir/algorithms.json measured with the same steps and seeds. `resume` reads back the runs an
+    earlier, interrupted invocation finished in out_dir with the same settings (training_runs.finished_run):
+    the full design spans several sessions of a 2-core machine."""
     explicit = tasks is not None
     keep = {} if not explicit or quick else _previous(out_dir / "algorithms.json", full)
     tasks = tasks or (["scratch:4"] if quick else list(TASKS_FULL) if full else [TASK])
@@ -141,6 +143,7 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
     task_runs = {k: v for k, v in keep.get("task_runs", {}).items() if k not in tasks}
     sweeps = {k: v for k, v in keep.get("lr_sweep", {}).items() if k.split("/")[0] not in tasks}
     failed: list[dict] = []
+    reused: list[str] = []
     for task in tasks:
         started, setup = time.perf_counter(), task_setup(task, quick)
         model = sft_start(out_dir, quick, recipe=setup["recipe"], overrides=tuple(setup["sft"]), name=setup["start"])
@@ -156,7 +159,8 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
         if grid:
             sweep_seeds = SWEEP_SEEDS
             specs = [s for arm in arms for lr in grid for s in specs_for(arm, sweep_seeds, lr, f"-lr{lr:g}")]
-            rows = run_all(specs, work, jobs=jobs, recipe=setup["recipe"], failures=failed)
+            rows = run_all(specs, work, jobs=jobs, recipe=setup["recipe"], failures=failed, resume=resume,
+                           reused=reused)
             for arm in arms:
                 score = "heldout_acc" if setup["eval"] else "final_acc"
                 per_lr = {lr: [run_metrics(rows[n])[score] for n, _ in specs_for(arm, sweep_seeds, lr, f"-lr{lr:g}")
@@ -168,7 +172,8 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
                 sweeps[f"{task}/{arm}"] = {"heldout": {str(lr): statistics.fmean(v) for lr, v in per_lr.items()},
                                            "chosen": chosen[arm], "score": score, "seeds": sweep_seeds}
         specs = [s for arm in arms for s in specs_for(arm, seeds, chosen[arm])]
-        rows = run_all(specs, work, jobs=jobs, recipe=setup["recipe"], failures=failed, walls=walls)
+        rows = run_all(specs, work, jobs=jobs, recipe=setup["recipe"], failures=failed, walls=walls,
+                       resume=resume, reused=reused)
         per_arm = {}
         for arm in arms:
             names = [n for n, _ in specs_for(arm, seeds, chosen[arm]) if n in rows]
@@ -199,7 +204,7 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
     return {"table": table, "curves": curves, "comparisons": comparisons, "summary": _summary(table),
             "steps": steps, "warmup": warmup, "seeds": seeds, "edge": EDGE, "task_runs": task_runs,
             "start": first, "samples_per_step": _batch_size(work / specs[0][0]), "failed_runs": failed,
-            "lr_sweep": sweeps, "engine_dtype": "bf16" if common else "fp32"}
+            "lr_sweep": sweeps, "engine_dtype": "bf16" if common else "fp32", "reused_runs": reused}
 
 
 def _slug(task: str) -> str:

@@ -139,7 +139,8 @@ def run_specs(v: dict, start: list[str]) -> list[tuple[str, list[str]]]:
             for method in v["methods"] for seed in v["seeds"]]
 
 
-def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False, jobs: int = 1) -> dict:
+def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False, jobs: int = 1,
+        resume: bool = False) -> dict:
     """The variant's runs (see `variant`; default about 15 min on 2 CPU cores with jobs=2, full hours)."""
     v = variant(quick, full)
     rules, seeds, methods = v["rules"], v["seeds"], v["methods"]
@@ -148,7 +149,8 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
     work = out_dir / "runs_online"
     specs = run_specs(v, start)
     failed: list[dict] = []
-    rows = run_all(specs, work, jobs=jobs, recipe=recipe, failures=failed)
+    reused: list[str] = []
+    rows = run_all(specs, work, jobs=jobs, recipe=recipe, failures=failed, resume=resume, reused=reused)
     table, curves = {}, {}
     for method in methods:
         switches, runs, per_phase = [], [], []
@@ -169,7 +171,7 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
             "critic_warmup_steps": v["warmup"], "recovery_fraction": RECOVERY_FRACTION, "window": WINDOW,
             "comparisons": comparisons, "start": sft_info(model) if model else {"recipe": "recipes/tiny_moe_cpu.toml",
                                                                                 "task": "online", "sft_steps": 0},
-            "reachable_level": REACHABLE, "failed_runs": failed, "summary": _summary(table)}
+            "reachable_level": REACHABLE, "failed_runs": failed, "reused_runs": reused, "summary": _summary(table)}
 
 
 def _auc_row(per_phase: list[list[dict]]) -> dict:

@@ -133,7 +133,16 @@ _SCORES = {"heldout_acc": "held-out accuracy, eval prompts disjoint from the tra
 
 
 def failures_text(r: dict) -> str:
-    """Which training runs failed (the error's first line) and whether their second try was kept."""
+    """Which training runs failed (the error's first line) and whether their second try was kept, and how
+    many were read back from an earlier invocation (`--resume`)."""
+    reused = r.get("reused_runs") or []
+    resumed = (f"{len(reused)} training run(s) were read back from an earlier, interrupted invocation in the "
+               f"same out dir (`--resume`: same settings, finished), their wall times as recorded then."
+               if reused else "")
+    return " ".join(x for x in (_failed_text(r), resumed) if x)
+
+
+def _failed_text(r: dict) -> str:
     failed = r.get("failed_runs") or []
     if not failed:
         return ""

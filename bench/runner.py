@@ -52,7 +52,7 @@ def commit() -> Optional[str]:
 
 
 def run_one(name: str, quick: bool, out_dir: Path, full: bool = False, tasks: Optional[list[str]] = None,
-            jobs: int = 1, arms: Optional[list[str]] = None) -> dict:
+            jobs: int = 1, arms: Optional[list[str]] = None, resume: bool = False) -> dict:
     """Run bench/NAME.py and write OUT_DIR/NAME.json; returns the result dict."""
     module = importlib.import_module(f"bench.{name.replace('-', '_')}")
     started = time.perf_counter()
@@ -68,6 +68,8 @@ def run_one(name: str, quick: bool, out_dir: Path, full: bool = False, tasks: Op
         kwargs["jobs"] = jobs
     if arms and "arms" in params:
         kwargs["arms"] = arms
+    if resume and "resume" in params:
+        kwargs["resume"] = True
     result = module.run(**kwargs)
     result.setdefault("bench", name)
     result["quick"] = quick
@@ -78,7 +80,8 @@ def run_one(name: str, quick: bool, out_dir: Path, full: bool = False, tasks: Op
     result["command"] = (f"sao bench {name}" + (" --quick" if quick else "") + (" --full" if result["full"] else "")
                          + (f" --tasks {','.join(tasks)}" if tasks and "tasks" in params else "")
                          + (f" --arms {','.join(arms)}" if arms and "arms" in params else "")
-                       + (f" --jobs {jobs}" if jobs > 1 and "jobs" in params else ""))
+                       + (f" --jobs {jobs}" if jobs > 1 and "jobs" in params else "")
+                       + (" --resume" if resume and "resume" in params else ""))
     if "jobs" in params:
         result["jobs"] = jobs
     out_dir.mkdir(parents=True, exist_ok=True)

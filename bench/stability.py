@@ -106,7 +106,7 @@ def collapse_signals(rows: list[dict]) -> dict:
 
 
 def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False, jobs: int = 1,
-        arms: Optional[list[str]] = None) -> dict:
+        arms: Optional[list[str]] = None, resume: bool = False) -> dict:
     """quick: 3 steps of SAO from a 2-step SFT; default: 5 algorithms x 5 seeds x 120 policy steps
     in the setting above (about 25 min on 2 CPU cores with jobs=2); full: every arm x 10 seeds x 240 steps
     in FULL_SETTING (hours). `arms` (`--arms sao,grpo`) runs only those arms of the variant."""
@@ -123,7 +123,9 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
     specs = [(f"stability-{algo}-s{seed}", ARMS_FULL[algo] + budget_overrides(algo, steps, warmup) + from_sft(model)
               + setting + [f"run.seed={seed}"]) for algo in algos for seed in seeds]
     failed: list[dict] = []
-    rows = run_all(specs, work, jobs=jobs, recipe=SFT_DEMO, timeout_s=6 * 3600, failures=failed)
+    reused: list[str] = []
+    rows = run_all(specs, work, jobs=jobs, recipe=SFT_DEMO, timeout_s=6 * 3600, failures=failed, resume=resume,
+                   reused=reused)
     results, curves = {}, {}
     for algo in algos:
         kept = [seed for seed in seeds if f"stability-{algo}-s{seed}" in rows]
@@ -152,4 +154,5 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
                      f"{r['max_acc_drop']['mean']:9.3f} {r['grad_norm_spikes']['mean']:7.1f}")
     return {"results": results, "comparisons": comparisons, "setting": setting, "survival": survival,
             "logrank": tests, "learned_threshold": LEARNED_THRESHOLD, "steps": steps, "warmup": warmup,
-            "window": WINDOW, "start": sft_info(model), "failed_runs": failed, "summary": "\n".join(lines)}
+            "window": WINDOW, "start": sft_info(model), "failed_runs": failed, "reused_runs": reused,
+            "summary": "\n".join(lines)}

@@ -30,25 +30,37 @@ def run_env() -> dict:
 
 def run_all(specs: list[tuple[str, list[str]]], out_root: Path, jobs: int = 1, recipe: Path = TINY,
             timeout_s: float = 3600.0, failures: Optional[list] = None,
-            walls: Optional[dict] = None) -> dict[str, list[dict]]:
+            walls: Optional[dict] = None, resume: bool = False, reused: Optional[list] = None) -> dict[str, list[dict]]:
     """`train_run` for each (name, overrides), `jobs` at a time; {name: rows} in the specs' order.
 
     The first run goes alone: it creates the base model the others share (out_root/model). A run
     that fails is run once more from scratch (a loaded 2-core machine can starve a run's engine past
     its timeouts); one that fails twice is left out of the result and, with its error, appended to
     `failures`, so one run cannot void the others. Without `failures` a second failure raises.
-    `walls` receives each kept run's wall seconds (its successful attempt, the subprocess as a whole)."""
+    `walls` receives each kept run's wall seconds (its successful attempt, the subprocess as a whole).
+    `resume`: a run an earlier invocation finished in out_root with the same settings (`finished_run`)
+    is read back instead of run again, its name appended to `reused`, its wall time the one recorded
+    then (NaN when that invocation did not record it)."""
     if not specs:
         return {}
 
     def attempt(name: str, overrides: list[str]):
+        if resume and (done := finished_run(name, overrides, out_root)) is not None:
+            if reused is not None:
+                reused.append(name)
+            if walls is not None:
+                walls[name] = done[1]
+            return done[0], []
         errors = []
         for _ in range(2):
             started = time.perf_counter()
             try:
                 rows = train_run(name, overrides, out_root, timeout_s, recipe)
+                wall = time.perf_counter() - started
+                if (run_dir := Path(out_root).resolve() / name).is_dir():
+                    (run_dir / WALL_FILE).write_text(json.dumps({"wall_s": wall}))
                 if walls is not None:
-                    walls[name] = time.perf_counter() - started
+                    walls[name] = wall
                 return rows, errors
             except (RuntimeError, subprocess.TimeoutExpired) as err:
                 errors.append(str(err).splitlines()[0])
@@ -69,6 +81,48 @@ def run_all(specs: list[tuple[str, list[str]]], out_root: Path, jobs: int = 1, r
     return done
 
 
+def _settings(name: str, out_root: Path, overrides: list[str]) -> list[str]:
+    """Every override a bench run gets (the run's own last: a later one of the same key wins)."""
+    return [f"run.name='{name}'", f"run.output_dir='{out_root}'", "logging.wandb=false", "logging.console=false",
+            "logging.plot=false", "checkpoint.interval=0", "checkpoint.resume='never'",
+            f"model.path='{out_root / 'model'}'", *overrides]
+
+
+WALL_FILE = "bench_wall_s.json"   # a finished run's wall seconds, for a later --resume
+
+
+def finished_run(name: str, overrides: list[str], out_root: Path) -> Optional[tuple[list[dict], float]]:
+    """(rows, wall seconds) of run `name` when an earlier invocation finished it in `out_root` with these
+    overrides: its log ends with `sao train`'s closing "done:" line and its resolved recipe holds the
+    value of every override (the last one of a key wins, as on the command line). None otherwise."""
+    import tomllib
+
+    out_root = Path(out_root).resolve()
+    log, run_dir = out_root / f"{name}.log", out_root / name
+    if not (log.is_file() and (run_dir / "metrics.jsonl").is_file() and (run_dir / "resolved_recipe.toml").is_file()):
+        return None
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    if not lines or not lines[-1].startswith("done: "):
+        return None
+    resolved = tomllib.loads((run_dir / "resolved_recipe.toml").read_text())
+    wanted = {}
+    for override in _settings(name, out_root, overrides):
+        key, _, value = override.partition("=")
+        wanted[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+    for key, value in wanted.items():
+        node = resolved
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return None
+            node = node[part]
+        if node != value:
+            return None
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    wall_file = run_dir / WALL_FILE
+    wall = json.loads(wall_file.read_text())["wall_s"] if wall_file.is_file() else float("nan")
+    return [r for r in rows if r.get("step", 0) > 0], wall
+
+
 def train_run(name: str, overrides: list[str], out_root: Path, timeout_s: float = 3600.0,
               recipe: Path = TINY) -> list[dict]:
     """One `sao train` run; returns its metrics.jsonl rows. Raises with the log tail on failure.
@@ -78,9 +132,7 @@ def train_run(name: str, overrides: list[str], out_root: Path, timeout_s: float 
     out_root = Path(out_root).resolve()
     out_root.mkdir(parents=True, exist_ok=True)
     log = out_root / f"{name}.log"
-    cmd = [sys.executable, "-m", "sao_megatron.cli.main", "train", str(recipe), f"run.name='{name}'",
-           f"run.output_dir='{out_root}'", "logging.wandb=false", "logging.console=false", "logging.plot=false",
-           "checkpoint.interval=0", "checkpoint.resume='never'", f"model.path='{out_root / 'model'}'", *overrides]
+    cmd = [sys.executable, "-m", "sao_megatron.cli.main", "train", str(recipe), *_settings(name, out_root, overrides)]
     with log.open("w") as fh:
         proc = subprocess.run(cmd, cwd=out_root, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout_s,
                               env=run_env())

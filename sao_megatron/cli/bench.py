@@ -31,6 +31,9 @@ def register(sub) -> None:
     parser.add_argument("--jobs", type=int, default=1,
                         help="training runs at a time in the learning benchmarks (algorithms, stability, online); "
                              "their learning metrics do not depend on it, their wall times do")
+    parser.add_argument("--resume", action="store_true",
+                        help="learning benchmarks: read back the training runs an earlier, interrupted invocation "
+                             "finished in --out-dir with the same settings instead of running them again")
     parser.add_argument("--out-dir", default=None,
                         help="where NAME.json (and NAME.png) go (default ./results, or ./runs/bench-quick with "
                              "--quick, under the current directory)")
@@ -51,7 +54,7 @@ def run(args) -> int:
         try:
             result = run_one(name, args.quick, out_dir, full=args.full,
                              tasks=args.tasks.split(",") if args.tasks else None, jobs=args.jobs,
-                             arms=args.arms.split(",") if args.arms else None)
+                             arms=args.arms.split(",") if args.arms else None, resume=args.resume)
         except Exception as err:  # one failed benchmark must not hide the others' results
             failed.append(name)
             print(f"bench {name}: FAILED: {type(err).__name__}: {err}", file=sys.stderr)

@@ -4,6 +4,7 @@ other tasks' rows measured at the same sizes."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -14,7 +15,8 @@ import bench.algorithms as algorithms
 def fake_runs(monkeypatch, tmp_path):
     calls = {}
 
-    def run_all(specs, out_root, jobs=1, recipe=None, timeout_s=0, failures=None, walls=None):
+    def run_all(specs, out_root, jobs=1, recipe=None, timeout_s=0, failures=None, walls=None, resume=False,
+                reused=None):
         rows = {}
         for name, overrides in specs:
             calls[name] = overrides
@@ -133,3 +135,63 @@ def test_a_failed_run_is_run_again_and_one_failing_twice_is_left_out_and_named(t
     assert "run again from scratch and kept: flaky" in text and "left out of every number above: broken" in text
     with pytest.raises(RuntimeError, match="broken failed twice"):
         training_runs.run_all([("first", []), ("broken", [])], tmp_path)      # no failures list: it raises
+
+
+def _finished(out_root, name, settings: dict, done: bool = True, wall: float | None = 12.5):
+    """A run directory as `sao train` leaves it: log, metrics, resolved recipe (and the bench's wall file)."""
+    run_dir = out_root / name
+    run_dir.mkdir(parents=True)
+    (out_root / f"{name}.log").write_text("warming up\n" + (f"done: 2 steps, weight version 2; run dir {run_dir}\n"
+                                                            if done else "Traceback (most recent call last):\n"))
+    (run_dir / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n')
+    lines = []
+    for section, values in settings.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+    (run_dir / "resolved_recipe.toml").write_text("\n".join(lines) + "\n")
+    if wall is not None:
+        (run_dir / "bench_wall_s.json").write_text(json.dumps({"wall_s": wall}))
+
+
+def test_resume_reads_back_only_runs_finished_with_the_same_settings(tmp_path, monkeypatch):
+    """--resume: a run an interrupted invocation finished with these overrides is read back (its wall time
+    the recorded one); a different setting, an unfinished log or no resume runs it again."""
+    import bench.training_runs as training_runs
+
+    out = tmp_path.resolve()
+    common = {"logging": {"wandb": False, "console": False, "plot": False},
+              "checkpoint": {"interval": 0, "resume": "never"}}
+
+    def settings(name, lr):
+        return {"run": {"name": name, "output_dir": str(out), "seed": 1}, "algorithm": {"lr": lr},
+                "model": {"path": "/sft/model"}, **common}
+
+    overrides = ["model.path='/sft/model'", "algorithm.lr=0.0003", "run.seed=1"]
+    _finished(out, "same", settings("same", 3e-4))
+    _finished(out, "old_lr", settings("old_lr", 1e-4))
+    _finished(out, "crashed", settings("crashed", 3e-4), done=False)
+    _finished(out, "no_wall", settings("no_wall", 3e-4), wall=None)
+    ran = []
+
+    def train_run(name, overrides, out_root, timeout_s, recipe):
+        ran.append(name)
+        return [{"step": 1, "x": 9}]
+
+    monkeypatch.setattr(training_runs, "train_run", train_run)
+    specs = [(n, overrides) for n in ("same", "old_lr", "crashed", "no_wall")]
+    walls, reused = {}, []
+    rows = training_runs.run_all(specs, out, resume=True, walls=walls, reused=reused)
+    assert sorted(ran) == ["crashed", "old_lr"] and sorted(reused) == ["no_wall", "same"]
+    assert rows["same"] == [{"step": 1, "x": 1}, {"step": 2, "x": 2}] and rows["old_lr"] == [{"step": 1, "x": 9}]
+    assert walls["same"] == 12.5 and math.isnan(walls["no_wall"])
+    ran.clear()
+    training_runs.run_all(specs, out)                                   # without resume every run runs
+    assert sorted(ran) == ["crashed", "no_wall", "old_lr", "same"]
+
+
+def test_the_report_says_how_many_runs_were_read_back():
+    from bench.report_learning import failures_text
+
+    assert failures_text({"failed_runs": [], "reused_runs": []}) == ""
+    text = failures_text({"failed_runs": [], "reused_runs": ["a", "b"]})
+    assert text.startswith("2 training run(s) were read back from an earlier, interrupted invocation")
