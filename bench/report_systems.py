@@ -50,6 +50,13 @@ def weight_sync_section(r: dict, link) -> str:
             f"same receivers, best of as many runs as the sync, interleaved with it: "
             f"{met(best['vs_ceiling'] >= target)} (best {best['vs_ceiling']:.2f} at "
             f"{best['bucket_mb']:g} MiB buckets).")
+    if "separate_vs_ceiling" in best:
+        sep = max(r["sweep"], key=lambda s: s["separate_vs_ceiling"])
+        text += (f" The source is the export of bf16 parameters in Megatron's contiguous buffers (distributed "
+                 f"optimizer, no snapshot), {best['in_place_share']:.0%} of whose bytes go on the wire from the "
+                 f"model's memory without a copy at that bucket size; from separate tensors, all copied into "
+                 f"flat buckets (a TP gather, a cast or a snapshot gives those), the best is "
+                 f"{sep['separate_vs_ceiling']:.2f} at {sep['bucket_mb']:g} MiB.")
     bucket = _recipe_bucket_mb()
     if bucket is not None:
         text += f" The tiny recipe (recipes/tiny_moe_cpu.toml) uses {bucket:g} MiB buckets."

@@ -123,7 +123,7 @@ async def _measure(total_mb: float, bucket_mb: float, lanes: list[int], num_engi
     from rollout.weights.shard_writes import ShardWriteSync
     from sao_megatron.core.config import WeightSyncConfig
 
-    named = synthetic_moe(total_mb)
+    named = synthetic_moe(total_mb, layout="separate")   # what shard writes get: a snapshot export
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     bucket = int(bucket_mb * 2**20)
     per_rank = bytes_per_rank(named, tp)

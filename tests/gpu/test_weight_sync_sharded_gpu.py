@@ -41,7 +41,7 @@ def test_gloo_lanes_from_gpu_tensors_write_each_rank_its_slice():
     from rollout.weights.shard_writes import ShardWriteSync
     from sao_megatron.core.config import WeightSyncConfig
 
-    named = [(n, t.cuda()) for n, t in synthetic_moe(8)]
+    named = [(n, t.cuda()) for n, t in synthetic_moe(8, layout="separate")]
 
     async def scenario():
         engine = LoopbackShardEngine("gpu-loopback", 2)
