@@ -50,6 +50,9 @@ def weight_sync_section(r: dict, link) -> str:
             f"same receivers, best of as many runs as the sync, interleaved with it: "
             f"{met(best['vs_ceiling'] >= target)} (best {best['vs_ceiling']:.2f} at "
             f"{best['bucket_mb']:g} MiB buckets).")
+    if "vs_best_plain" in best:
+        text += (f" Against the faster of the one shot and the same bytes in slices of the bucket size, "
+                 f"{best['vs_best_plain']:.2f}: a ratio above 1 is the yardstick's noise.")
     if "separate_vs_ceiling" in best:
         sep = max(r["sweep"], key=lambda s: s["separate_vs_ceiling"])
         text += (f" The source is the export of bf16 parameters in Megatron's contiguous buffers (distributed "
