@@ -122,12 +122,17 @@ def _sources(modules, base: HFMapping, value_head: bool) -> list[_Source]:
     return sources
 
 
-def _own_storage(tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """`tensor`, copied when it is a view: of the live parameter (the export is a snapshot) or of a
-    larger merged tensor (gate of gate+up, the vocabulary before trimming), which a consumer keeping it
-    would otherwise hold whole. Each exported tensor owns exactly its bytes, as before streaming."""
+def _own_storage(tensor: torch.Tensor, param: torch.Tensor, snapshot: bool = True) -> torch.Tensor:
+    """`tensor`, copied when it is a view: of the live parameter (when the export is a snapshot) or of a
+    larger merged tensor (gate of gate+up, the vocabulary before trimming, after a TP gather), which a
+    consumer keeping it would otherwise hold whole. Without a snapshot a view of the parameter itself
+    passes as it is: it costs no memory (the parameter lives anyway). Every other exported tensor owns
+    exactly its bytes, as before streaming."""
     storage = tensor.untyped_storage()
-    if storage.data_ptr() == param.untyped_storage().data_ptr() or storage.nbytes() != tensor.nbytes:
+    of_param = storage.data_ptr() == param.untyped_storage().data_ptr()
+    if of_param and not snapshot:
+        return tensor
+    if of_param or storage.nbytes() != tensor.nbytes:
         return tensor.clone()
     return tensor
 
@@ -136,12 +141,12 @@ def _gather_and_convert(source: _Source, keep: set, holders: bool = False,
                         snapshot: bool = True) -> dict[str, torch.Tensor]:
     """Every rank holding `source` takes part in its TP gather; the owner (with `holders`, every rank
     of the gather: each has all the pieces) keeps the HF tensors in `keep`, each in its own memory
-    (`snapshot`) or as it comes (a view of the parameter where no conversion was needed)."""
+    (`snapshot`), or without a snapshot as a view of the parameter where no conversion was needed."""
     _, size, group = source.tp
     pieces = _gather_tp(source.param, size, group)
     if not (source.owns or holders):
         return {}
-    return {n: _own_storage(t, source.param) if snapshot else t for n, t in _convert(source, pieces) if n in keep}
+    return {n: _own_storage(t, source.param, snapshot) for n, t in _convert(source, pieces) if n in keep}
 
 
 def _natural_key(name: str):
@@ -209,7 +214,9 @@ def export_hf_tensors(modules, base: HFMapping, value_head: bool = False,
     snapshot (the default): each tensor owns exactly its bytes, a copy of the parameter at export time.
     snapshot=False: a tensor that needs no conversion is a view of the live parameter (with Megatron's
     distributed optimizer, of its contiguous parameter buffer: the broadcast sender sends runs of it
-    without a copy, rollout/weights/buckets.py); valid only until the parameters change.
+    without a copy, rollout/weights/buckets.py); valid only until the parameters change. A view of
+    anything else (a TP-gathered tensor's part) is still copied, so every view the export yields is of
+    memory that lives anyway: a consumer holding views holds nothing more.
     """
     if scope not in ("all", "stage", "shares"):
         raise ValueError(f"export scope {scope!r}; use 'all', 'stage' or 'shares'")

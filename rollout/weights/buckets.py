@@ -24,7 +24,6 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from .fp8_blocks import SCALE_SUFFIX
-from .memory import HELD_VIEWS_BUCKETS
 
 
 class ReceiveBuffer:
@@ -170,6 +169,8 @@ def mla_a_pairs(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str
     yield from held.values()   # no partner (q LoRA without kv_a: not a model SGLang fuses)
 
 
+HELD_VIEWS_BUCKETS = 2   # buckets of views held while they may still join a run (a whole run and the views
+#                          around it still waiting for their neighbours): a bound on the wait, not on memory
 RUN_MIN_FRACTION = 4     # a run shorter than bucket / this is copied: its own update call would cost more
 
 

@@ -6,10 +6,10 @@ The export streams (parallel/weights.py): a Megatron tensor is gathered over TP 
 first HF name, so beyond its own shards a broadcast sender holds at most
 - buffers: the two reused flat payloads (one on the wire, one being flattened), each of
   max(bucket, largest tensor): a tensor above the bucket travels alone;
-- buckets: the bucket being filled (max(bucket, largest tensor)), one held-back run of routed-expert
-  tensors (at most one bucket: broadcast.py non_expert_first) and the views held while they may still
-  join a run sent from the model's own memory (HELD_VIEWS_BUCKETS buckets: buckets.iter_buckets; free
-  when they are views of the parameters, as exported without a snapshot, counted all the same);
+- buckets: the bucket being filled (max(bucket, largest tensor)) and one held-back run of routed-expert
+  tensors (at most one bucket: broadcast.py non_expert_first). The views of parameters buckets.iter_buckets
+  holds until they join a run sent from the model's memory cost nothing: the export without a snapshot
+  yields views of the parameters only (parallel/weights.py), which live anyway;
 - gather: the tensor being gathered, twice (its TP pieces and the merged tensor, or the merged tensor
   and its HF parts: q/k/v, gate/up), plus the HF tensors of the one before still waiting for their turn.
 The other senders stream the same export and hold instead
@@ -41,8 +41,6 @@ FP8_BLOCK = 128            # rows and columns of one block-FP8 block (fp8_blocks
 FP8_TEMP_BYTES = 8         # float32 bytes per element the quantizer holds at once (two float32 copies)
 FP8_TEMP_CHUNK = 64 * MIB  # the quantizer's bound on those temporaries, unless one block row is larger
 SHARD_QUEUE_DEPTH = 2      # buckets a shard-writes lane may have sliced ahead of its wire
-HELD_VIEWS_BUCKETS = 2     # buckets of views a broadcast sender holds while they may still join a run (a
-#                            whole run and the views around it still waiting for their neighbours)
 
 
 def largest_tensor_elements(hf: Mapping[str, Any], tp: int = 1) -> int:
@@ -124,8 +122,8 @@ def sender_need(hf: Mapping[str, Any], bucket_bytes: float, element_bytes: int, 
                           gather=3 * largest, largest=largest, quantize=quantize)
     if method == "disk":
         return SenderNeed(buffers=0.0, buckets=payload, gather=3 * largest, largest=largest, quantize=quantize)
-    return SenderNeed(buffers=2 * payload, buckets=payload + (1 + HELD_VIEWS_BUCKETS) * bucket_bytes,
-                      gather=3 * largest, largest=largest, quantize=quantize)
+    return SenderNeed(buffers=2 * payload, buckets=payload + bucket_bytes, gather=3 * largest, largest=largest,
+                      quantize=quantize)
 
 
 def recipe_sender_need(recipe, hf: Mapping[str, Any]) -> SenderNeed:

@@ -17,7 +17,7 @@ import torch
 
 from bench.parallel import CountInto, LiveTensorPeak
 from parallel.distributed import run_distributed_test
-from rollout.weights.memory import HELD_VIEWS_BUCKETS, MIB, check_sender_memory, largest_tensor_elements, sender_need
+from rollout.weights.memory import MIB, check_sender_memory, largest_tensor_elements, sender_need
 from sao_megatron.core.config import ConfigError
 
 BUCKET_MB = 0.01   # the check's own tests; the push is measured at two bucket sizes
@@ -105,10 +105,9 @@ def test_sender_memory_check_refuses_a_bound_below_what_streaming_needs(tiny_mod
     assert err.value.field == "weight_sync.max_sender_mb" and "\n" not in str(err.value)
     assert f"at least {int(need.total / MIB) + 1}" in str(err.value)
     check_sender_memory(_recipe(tiny_model_dir, bucket_mb=BUCKET_MB, max_sender_mb=need.total / MIB), hf)
-    # the need grows with the bucket: two flat buffers, the bucket being filled, one held-back run of
-    # experts and the views held while they may join a run sent from their own memory
+    # the need grows with the bucket: two flat buffers, the bucket being filled and one held-back run
     bigger = sender_need(hf, 64 * MIB, element_bytes=4, tp=2)
-    assert bigger.total == (4 + HELD_VIEWS_BUCKETS) * 64 * MIB + bigger.gather
+    assert bigger.total == 4 * 64 * MIB + bigger.gather
 
 
 def test_largest_tensor_is_the_fused_projection_or_the_padded_vocabulary():

@@ -249,3 +249,19 @@ def test_copying_a_live_parameter_leaves_its_storage_resizable():
     assert torch.equal(flat, torch.cat([param.data[2:5].reshape(-1), param.data[:, :3].reshape(-1)]).view(torch.uint8))
     param.data.untyped_storage().resize_(0)
     assert param.data.untyped_storage().nbytes() == 0
+
+
+def test_without_a_snapshot_only_views_of_the_parameter_itself_pass_uncopied():
+    """The packer may hold the export's views for a while: they must cost nothing, so the export yields
+    views of the live parameter only; a part of a larger gathered tensor still owns exactly its bytes."""
+    from parallel.weights import _own_storage
+
+    param = torch.nn.Parameter(torch.randn(8, 4))
+    gate = param.data[:4]
+    assert _own_storage(gate, param, snapshot=False).data_ptr() == gate.data_ptr()
+    assert _own_storage(gate, param).data_ptr() != gate.data_ptr()               # a snapshot copies it
+    gathered = torch.cat([param.data, param.data])                             # a TP gather's merged tensor
+    part = _own_storage(gathered[:8], param, snapshot=False)
+    assert part.untyped_storage().nbytes() == part.nbytes and torch.equal(part, gathered[:8])
+    whole = torch.randn(3)
+    assert _own_storage(whole, param, snapshot=False) is whole
