@@ -95,7 +95,7 @@ def in_place_share(named: list[tuple[str, torch.Tensor]], bucket_mb: float) -> f
     """The share of the bytes the broadcast sender sends from the tensors' own memory (no copy) at this
     bucket size: the buckets exactly as BroadcastWeightSync forms them."""
     from rollout.weights.broadcast import non_expert_first
-    from rollout.weights.buckets import iter_buckets
+    from rollout.weights.bucketing import iter_buckets
 
     bucket_bytes = int(bucket_mb * 2**20)
     buckets = list(iter_buckets(non_expert_first(named, bucket_bytes), bucket_bytes, "cpu"))

@@ -214,7 +214,7 @@ def export_hf_tensors(modules, base: HFMapping, value_head: bool = False,
     snapshot (the default): each tensor owns exactly its bytes, a copy of the parameter at export time.
     snapshot=False: a tensor that needs no conversion is a view of the live parameter (with Megatron's
     distributed optimizer, of its contiguous parameter buffer: the broadcast sender sends runs of it
-    without a copy, rollout/weights/buckets.py); valid only until the parameters change. A view of
+    without a copy, rollout/weights/bucketing.py); valid only until the parameters change. A view of
     anything else (a TP-gathered tensor's part) is still copied, so every view the export yields is of
     memory that lives anyway: a consumer holding views holds nothing more.
     """

@@ -18,6 +18,7 @@ the rollout driver pauses and resumes the engines (the one owner of pause/resume
 | disk.py | `DiskWeightSync`: HF shards on disk, loaded by every engine |
 | factory.py | `build_weight_sync`: the transport named by weight_sync.method for one role |
 | buckets.py | the flattened-bucket payload and the sender side of a weight-update group |
+| bucketing.py | `iter_buckets`: a stream of tensors cut into buckets; runs of the model's memory sent without a copy |
 | calls.py | labelled concurrent engine calls under one timeout (`run_all`, `PushError`), daemon-thread collectives |
 | fp8_blocks.py | block-FP8 quantization of the weights an FP8 engine receives |
 | fp8_checkpoint.py | the block-FP8 checkpoint an FP8 engine starts from (`sao convert hf-to-fp8`) |

@@ -29,7 +29,8 @@ from sao_megatron.core.backends import resolve_backend
 from sao_megatron.core.ports import free_port
 
 from .base import SessionSync, engine_ranks, sender_address
-from .buckets import Bucket, broadcast_flat, create_sender_group, iter_buckets
+from .bucketing import iter_buckets
+from .buckets import Bucket, broadcast_flat, create_sender_group
 from .calls import PushError, SerialThread, in_daemon_thread, payload_device, pinned, run_all
 from .fp8_blocks import SCALE_SUFFIX, Fp8Layout
 from .receiver import WeightReceiver

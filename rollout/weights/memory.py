@@ -7,7 +7,7 @@ first HF name, so beyond its own shards a broadcast sender holds at most
 - buffers: the two reused flat payloads (one on the wire, one being flattened), each of
   max(bucket, largest tensor): a tensor above the bucket travels alone;
 - buckets: the bucket being filled (max(bucket, largest tensor)) and one held-back run of routed-expert
-  tensors (at most one bucket: broadcast.py non_expert_first). The views of parameters buckets.iter_buckets
+  tensors (at most one bucket: broadcast.py non_expert_first). The views of parameters bucketing.iter_buckets
   holds until they join a run sent from the model's memory cost nothing: the export without a snapshot
   yields views of the parameters only (parallel/weights.py), which live anyway;
 - gather: the tensor being gathered, twice (its TP pieces and the merged tensor, or the merged tensor

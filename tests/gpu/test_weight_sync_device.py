@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from rollout.weights.buckets import iter_buckets
+from rollout.weights.bucketing import iter_buckets
 from rollout.weights.calls import in_daemon_thread, payload_device, pinned
 
 pytestmark = pytest.mark.gpu

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.weights.buckets import iter_buckets
+from rollout.weights.bucketing import iter_buckets
 from rollout.weights.fp8_blocks import (E4M3_MAX, Fp8Layout, dequantize_block_fp8, layout_from_quantization_config,
                                         quantize_block_fp8, quantize_stream, round_trip_stream, scale_name)
 from rollout.weights.broadcast import non_expert_first

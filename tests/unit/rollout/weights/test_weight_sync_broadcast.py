@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from rollout.engines.engine import EngineError
-from rollout.weights.buckets import Bucket, iter_buckets
+from rollout.weights.bucketing import iter_buckets
+from rollout.weights.buckets import Bucket
 from rollout.weights.check import WeightMismatchError, check_weight_update_equal
 from rollout.weights import BroadcastWeightSync, DiskWeightSync, build_weight_sync
 from rollout.weights.broadcast import non_expert_first

@@ -168,7 +168,7 @@ def _check_partition(buckets, named, bucket_bytes):
 def test_views_of_a_reversed_parameter_buffer_go_in_runs_from_the_models_memory():
     """Megatron lays parameters out last first, the export walks them in name order: the views are held
     until they lie back to back, and each full run is a bucket sent from the buffer itself."""
-    from rollout.weights.buckets import iter_buckets
+    from rollout.weights.bucketing import iter_buckets
 
     buffer, named = _megatron_buffer()
     per_expert = 3 * 8 * 16 * 2
@@ -189,7 +189,7 @@ def test_views_of_a_reversed_parameter_buffer_go_in_runs_from_the_models_memory(
 
 
 def test_padding_between_parameters_breaks_a_run_and_short_runs_are_copied():
-    from rollout.weights.buckets import iter_buckets
+    from rollout.weights.bucketing import iter_buckets
 
     _, named = _megatron_buffer(pad=64)     # every parameter starts after a gap: runs are one fc1 at most
     buckets = list(iter_buckets(named, 3 * 8 * 16 * 2 * 8, "cpu"))
@@ -200,7 +200,7 @@ def test_padding_between_parameters_breaks_a_run_and_short_runs_are_copied():
 def test_a_tensor_that_must_share_a_call_with_a_view_before_it_takes_that_view_along():
     """An FP8 scale follows its weight into the same update call, even when the weight was a view about
     to close a run; fresh tensors (their own storage) are copied as before."""
-    from rollout.weights.buckets import iter_buckets
+    from rollout.weights.bucketing import iter_buckets
     from rollout.weights.fp8_blocks import SCALE_SUFFIX
 
     buffer, named = _megatron_buffer(layers=1, experts=2)
