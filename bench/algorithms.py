@@ -23,9 +23,10 @@ the demo recipe (recipes/tiny_sft_sao_cpu.toml) with only the algorithm changed.
   The first sweep runs (SAO on scratch:4, 2 seeds x LR_GRID x 300 steps, bf16 engine, 2026-12-05; kept in
   an out dir for `--resume`): no lr learned. 1e-4 stays level (training accuracy 0.08-0.12 per 50 steps,
   held-out 0.06-0.19 against 0.11-0.16 at the first eval), 3e-4 stays level on one seed (0.05-0.09) and
-  falls to 0 by step 100 on the other, 1e-3 falls to 0 on both. Whether any arm learns this task from
-  this SFT start was not known when the session ended; if none does, every comparison on it will read
-  "cannot tell", and a task with more room (fewer operations, a longer SFT) is the better use of a day.
+  falls to 0 by step 100 on the other, 1e-3 falls to 0 on both. GRPO at 1e-4 is level too (2 seeds, 200
+  and 300 steps when the session ended: training 0.09-0.12, held-out 0.08-0.17). If no arm learns this
+  task from this SFT start, every comparison on it will read "cannot tell", and a task with more room
+  (fewer operations, a longer SFT) is the better use of a day.
 
 Equal samples: every arm generates the recipe's rollout.batch_size samples per step (single-rollout arms:
 batch_size prompts x 1; group arms: batch_size / 4 prompts x 4), and the critic's warm-up batches are
