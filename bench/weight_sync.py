@@ -50,6 +50,8 @@ def synthetic_moe(total_mb: float, hidden: int = 512, experts: int = 16, inter: 
     DDP does; q/k/v, which the export reorders out of the fused qkv, are copies of their own.
     layout "separate": every tensor its own allocation (what a TP gather, a cast or a snapshot gives).
     """
+    from parallel.weights import natural_key   # the export's order
+
     if layout not in ("megatron", "separate"):
         raise ValueError(f"layout {layout!r}: use 'megatron' or 'separate'")
     dense, expert, copies, size, layer = [], [], {}, 0, 0   # (Megatron name, HF parts) in module order
@@ -83,12 +85,7 @@ def synthetic_moe(total_mb: float, hidden: int = 512, experts: int = 16, inter: 
             for shape, parts in params:
                 rows = shape[0] // len(parts) if parts else 0
                 named |= {name: torch.ones((rows, *shape[1:]), dtype=torch.bfloat16) for name, _ in parts}
-    return sorted(named.items(), key=lambda item: _natural_key(item[0]))
-
-
-def _natural_key(name: str) -> list:
-    """The export's order (parallel/weights.py): numbers compared as numbers."""
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+    return sorted(named.items(), key=lambda item: natural_key(item[0]))
 
 
 def in_place_share(named: list[tuple[str, torch.Tensor]], bucket_mb: float) -> float:

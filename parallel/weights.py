@@ -149,7 +149,8 @@ def _gather_and_convert(source: _Source, keep: set, holders: bool = False,
     return {n: _own_storage(t, source.param, snapshot) for n, t in _convert(source, pieces) if n in keep}
 
 
-def _natural_key(name: str):
+def natural_key(name: str) -> list:
+    """The export's order of HF names: numbers compared as numbers (layers.10 after layers.9)."""
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
@@ -222,7 +223,7 @@ def export_hf_tensors(modules, base: HFMapping, value_head: bool = False,
         raise ValueError(f"export scope {scope!r}; use 'all', 'stage' or 'shares'")
     sources = _sources(modules, base, value_head)
     owner, rank, group = _catalog(sources, scope)
-    order = sorted(owner, key=_natural_key)
+    order = sorted(owner, key=natural_key)
     turn = {name: i for i, name in enumerate(order)}
     due: dict[int, _Source] = {}
     for source in sources:
