@@ -265,3 +265,27 @@ def test_without_a_snapshot_only_views_of_the_parameter_itself_pass_uncopied():
     assert part.untyped_storage().nbytes() == part.nbytes and torch.equal(part, gathered[:8])
     whole = torch.randn(3)
     assert _own_storage(whole, param, snapshot=False) is whole
+
+
+def test_a_run_sent_from_memory_is_the_payload_sglang_unflattens():
+    """SGLang's FlattenedTensorBucket (weight_sync/tensor_bucket.py, pinned in test_sglang_contract_fp8) reads
+    each tensor at the sum of the sizes before it in `names` order, at a multiple of its element size: a run
+    sent from the model's memory lists its tensors in address order, back to back, one dtype."""
+    from bench.weight_sync import synthetic_moe
+    from rollout.weights.bucketing import iter_buckets
+    from rollout.weights.broadcast import non_expert_first
+
+    named = synthetic_moe(4, hidden=64, experts=4, inter=32)
+    for bucket_bytes in (4096, 65536, 1 << 20):
+        runs = [b for b in iter_buckets(non_expert_first(named, bucket_bytes), bucket_bytes, "cpu")
+                if b.in_place("cpu") is not None]
+        assert runs
+        for bucket in runs:
+            payload, offset = bucket.in_place("cpu"), 0
+            names, dtypes, shapes = bucket.meta()
+            for t, dtype, shape in zip(bucket.tensors, dtypes, shapes):
+                size = math.prod(shape) * t.element_size()
+                assert offset % t.element_size() == 0 and dtype == str(t.dtype).removeprefix("torch.")
+                assert torch.equal(payload[offset:offset + size].view(t.dtype).view(shape), t)
+                offset += size
+            assert offset == payload.numel()
