@@ -424,21 +424,35 @@ def _broadcast_from_last_stage(store: list, shapes: list, keys: tuple) -> list[d
 
 
 def _reduce_metrics(store: list) -> dict[str, float]:
-    """Sum the last stage's per-micro-batch metrics, share them with every stage, sum over DP."""
+    """The step's metrics over every micro-batch of the last stage and every DP rank, by the algorithm
+    library's rules (combine_metrics): sums, except ``*_max`` (max) and ``*_min`` (min); then
+    ``vf_explained_var`` recomputed from the summed moments of the whole step (finalize_metrics)."""
     from megatron.core import parallel_state
 
+    from sao_megatron.algorithms import combine_metrics, finalize_metrics
+
     group, last, size = _pp_group_and_last()
-    summed: dict[str, float] = {}
-    for metrics in store or []:
-        for key, value in metrics.items():
-            summed[key] = summed.get(key, 0.0) + float(value)
+    summed = combine_metrics(store or [])
     if size > 1:
         box = [summed]
         torch.distributed.broadcast_object_list(box, src=last, group=group)
         summed = box[0]
     if parallel_state.get_data_parallel_world_size() > 1 and summed:
-        keys = sorted(summed)
-        vec = torch.tensor([summed[k] for k in keys], dtype=torch.float64, device=comm_device())
-        torch.distributed.all_reduce(vec, group=parallel_state.get_data_parallel_group())
-        summed = dict(zip(keys, vec.cpu().tolist()))
+        summed = _all_reduce_metrics(summed, parallel_state.get_data_parallel_group())
+    summed = finalize_metrics(summed)
     return {k: (v if math.isfinite(v) else float("nan")) for k, v in summed.items()}
+
+
+def _all_reduce_metrics(metrics: dict[str, float], group) -> dict[str, float]:
+    """combine_metrics across ranks: one SUM all-reduce for the additive keys, one MAX for ``*_max`` and
+    the negated ``*_min``. Every rank holds the same keys (the same loss on the same step)."""
+    keys = sorted(metrics)
+    sign = [-1.0 if k.endswith("_min") else 1.0 for k in keys]
+    extreme = [k.endswith(("_max", "_min")) for k in keys]
+    vec = torch.tensor([metrics[k] * s for k, s in zip(keys, sign)], dtype=torch.float64, device=comm_device())
+    is_extreme = torch.tensor(extreme, device=vec.device)
+    total, top = vec.clone(), vec.clone()
+    torch.distributed.all_reduce(total, group=group)
+    torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
+    out = torch.where(is_extreme, top, total).cpu().tolist()
+    return {k: v * s for k, v, s in zip(keys, out, sign)}

@@ -101,6 +101,17 @@ def _observe(model_dir: str) -> dict:
     after = model.train_step(batches, lc.policy_gradient_loss)
     obs["after_skip_applied"] = after["skipped"] == 0.0 and after["grad_norm"] > 0
 
+    # metrics over the two micro-batches: sums, except *_max / *_min, and the explained variance of the step
+    calls = []
+
+    def probing(b, o):
+        out = lc.policy_gradient_loss(b, o)
+        calls.append(len(calls) + 1)
+        i = float(calls[-1])   # 1.0, then 2.0; each micro-batch holds half the step's token-weighted moments
+        return replace(out, metrics={**out.metrics, "probe": i, "probe_max": i, "probe_min": i,
+                                     "vf_explained_var": 0.9, "return_mean": 0.25, "return_sq_mean": 0.25,
+                                     "vf_resid_mean": 0.0, "vf_resid_sq_mean": 0.0625})
+    obs["probe_step"] = model.train_step(batches, probing)
     # critic: frozen attention stays bit-identical, value loss falls on a fixed batch
     critic = RLModel.build(lc.make_recipe(model_dir, {}), "critic")
     critic.load_hf_state_dict(hf)
@@ -152,6 +163,14 @@ def test_train_step_metrics(observed):
     step = observed["step"]
     assert step["skipped"] == 0.0 and step["lr"] == 1e-3 and 0 < step["grad_norm"] < 1e3
     assert step["loss"] == pytest.approx(step["pg_loss"] - 0.01 * step["entropy"], abs=1e-6)
+
+
+def test_train_step_combines_micro_batch_metrics_by_the_algorithm_librarys_rules(observed):
+    """Sums, except *_max (max) and *_min (min); the explained variance is the step's, from the summed
+    moments (returns var 0.25, residual var 0.125 -> 0.5), not a sum of per-micro-batch values (1.8)."""
+    step = observed["probe_step"]
+    assert (step["probe"], step["probe_max"], step["probe_min"]) == (3.0, 2.0, 1.0)
+    assert step["vf_explained_var"] == pytest.approx(0.5)
 
 
 def test_non_finite_loss_skips_step_and_keeps_params(observed):
