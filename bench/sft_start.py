@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 from bench.training_runs import SFT_DEMO, run_env
 
@@ -19,13 +20,14 @@ TASK = "chain:1:1"   # the demo's task: one-digit a+b / a-b, answers 0-18
 
 
 def sft_start(out_dir: Path, quick: bool = False, timeout_s: float = 3600.0, recipe: Path = SFT_DEMO,
-              overrides: tuple = (), name: str = "sft_start") -> Path:
+              overrides: tuple = (), name: str = "sft_start", steps: Optional[int] = None) -> Path:
     """The SFT model directory under out_dir/NAME (made here when missing or stale). `recipe` and
-    `overrides` (e.g. another rollout.task) make the start of another task; each task has its own NAME."""
+    `overrides` (e.g. another rollout.task) make the start of another task; each task has its own NAME.
+    `steps`: SFT steps (default the recipe's sft.steps; quick: 2)."""
     root = Path(out_dir).resolve() / name
     root.mkdir(parents=True, exist_ok=True)
     model = root / "model"
-    steps = 2 if quick else _recipe_sft_steps(recipe)
+    steps = 2 if quick else steps or _recipe_sft_steps(recipe)
     marker = model / "sao_sft.json"
     if marker.is_file() and json.loads(marker.read_text()).get("sft", {}).get("steps") == steps:
         return model                      # made by an earlier benchmark of this out dir

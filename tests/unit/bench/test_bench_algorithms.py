@@ -30,7 +30,7 @@ def fake_runs(monkeypatch, tmp_path):
             steps += next((int(o.split("=")[1]) for o in overrides if o.startswith("critic.warmup_steps=")), 0)
             better = 0.3 if "algorithm.name='sao'" in overrides else 0.0
             lr = next((float(o.split("=")[1]) for o in overrides if o.startswith("algorithm.lr=")), 3e-4)
-            heldout = {f"eval/scratch:4:eval/avg@{algorithms.EVAL_K}": 0.5 - abs(lr - 3e-4)}   # best at 3e-4
+            heldout = {f"eval/scratch:4:eval/avg@{algorithms.EVAL_K}": 0.5 - 100 * abs(lr - 1e-4)}   # best at 1e-4
             rows[name] = [{"step": s, "rollout/accuracy": 0.4 + better * s / steps, "rollout/raw_reward": 0.5,
                            **(heldout if s == steps else {})} for s in range(1, steps + 1)]
         return rows
@@ -68,19 +68,19 @@ def test_the_full_design_sweeps_the_lr_on_held_out_prompts_then_runs_fresh_seeds
     fresh = [n for n in fake_runs if "-lr" not in n]
     assert len(fresh) == len(arms) * 10 and not set(algorithms.SWEEP_SEEDS) & {int(n.rsplit("-s", 1)[1]) for n in fresh}
     for name in fresh:                                   # each arm at the lr its held-out score chose
-        assert "algorithm.lr=0.0003" in fake_runs[name], name
+        assert "algorithm.lr=0.0001" in fake_runs[name], name
     assert all("rollout.engine_dtype='bf16'" in o for o in fake_runs.values())       # the mismatch DIS corrects
     assert all("eval.datasets=['task:scratch:4:eval']" in o for o in fake_runs.values())
     assert all(r == algorithms.SFT_DEMO for r in recipes.values())
-    assert result["lr_sweep"]["scratch:4/sao"]["chosen"] == 3e-4 and result["engine_dtype"] == "bf16"
+    assert result["lr_sweep"]["scratch:4/sao"]["chosen"] == 1e-4 and result["engine_dtype"] == "bf16"
     assert result["table"]["scratch:4/sao_ppo_clip"]["per_seed"]["heldout_acc"] == [0.5] * 10
     ppo_clip = fake_runs["scratch_4-sao_ppo_clip-s1"]
     assert "algorithm.loss='ppo'" in ppo_clip and "critic.warmup_steps=10" in ppo_clip     # same critic as SAO
-    assert "run.num_steps=310" in fake_runs["scratch_4-running_mean-s1"]                   # warm-up given as steps
+    assert "run.num_steps=210" in fake_runs["scratch_4-running_mean-s1"]                   # warm-up given as steps
     from bench.report_learning import algorithms_section
 
     text = algorithms_section(dict(result, full=True), lambda *a: "")
-    assert "scratch:4/sao: 0.0001 -> 0.500, 0.0003 -> 0.500, 0.001 -> 0.499 (chosen 0.0003, by held-out" in text
+    assert "scratch:4/sao: 3e-05 -> 0.493, 0.0001 -> 0.500, 0.0003 -> 0.480 (chosen 0.0001, by held-out" in text
     assert "| sao_ppo_clip |" in text and "| sao - sao_ppo_clip | 10 / 10 |" in text
     assert "held-out accuracy (task:scratch:4:eval)" in text and "not yet run at full size" not in text
 
@@ -93,6 +93,37 @@ def test_the_agent_task_runs_on_the_agent_recipe_from_its_own_sft_start(tmp_path
     assert set(recipes.values()) == {algorithms.AGENT_RECIPE}
     assert starts[0]["recipe"] == algorithms.AGENT_RECIPE and starts[0]["name"] == "sft_start_agent"
     assert not any("eval.datasets" in o for runs in [fake_runs.values()] for o in runs)   # no disjoint split
+
+
+def test_the_scratch_task_starts_from_a_longer_sft_than_the_demos(tmp_path, fake_runs, monkeypatch):
+    """scratch:4 after the demo's 200 SFT steps is near the floor (held-out 0.13): nothing for RL to build on."""
+    starts = []
+    monkeypatch.setattr(algorithms, "sft_start", lambda out_dir, quick=False, **kw: starts.append(kw) or tmp_path)
+    algorithms.run(out_dir=tmp_path, full=True, tasks=["scratch:4"])
+    assert starts[0]["steps"] == algorithms.SCRATCH_SFT_STEPS == 400 and starts[0]["name"] == "sft_start_scratch_4"
+    algorithms.run(out_dir=tmp_path, full=True, tasks=["agent"])
+    assert starts[1]["steps"] is None          # the agent recipe's own sft.steps
+
+
+def test_sft_start_makes_the_start_with_the_steps_asked_for(tmp_path, monkeypatch):
+    from bench import sft_start as module
+
+    calls = []
+
+    def fake_run(cmd, cwd, **kw):
+        calls.append(cmd)
+        model = tmp_path / "s" / "model"
+        model.mkdir(parents=True, exist_ok=True)
+        (model / "config.json").write_text("{}")
+        steps = int(next(c for c in cmd if c.startswith("sft.steps=")).split("=")[1])
+        (model / "sao_sft.json").write_text(json.dumps({"sft": {"steps": steps}}))
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setattr(module.subprocess, "run", fake_run)
+    module.sft_start(tmp_path, name="s", steps=400)
+    module.sft_start(tmp_path, name="s", steps=400)      # its marker matches: made once
+    module.sft_start(tmp_path, name="s")                 # the recipe's 200 steps: made again
+    assert [c[-1] for c in calls] == ["sft.steps=400", "sft.steps=200"]
 
 
 def test_the_lr_with_the_best_mean_score_wins_and_ties_go_to_the_smaller():
