@@ -12,7 +12,6 @@ and logprob at position t belong to token t and come from the hidden state at t-
 """
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
@@ -24,7 +23,6 @@ from sao_megatron.core.records import LossOutputs, TrainBatch
 
 from . import model_build, specs
 from .context_parallel import ContextParallel
-from .distributed import comm_device
 from .hf_mapping import HFMapping
 from .logprobs import shift_to_tokens, token_logprobs_from_logits
 from .offload import ModelParking
@@ -33,6 +31,7 @@ from .packing import PackedLayout, seq_multiple
 from .indexer_replay import IndexerReplayer
 from .routing_replay import RouteReplayer
 from .schedule import configure_per_token_loss, run_schedule
+from .stage_outputs import broadcast_from_last_stage, reduce_step_metrics
 from .weights import export_hf_tensors, load_hf_tensors
 
 ROLES = ("policy", "critic", "reference")
@@ -199,7 +198,7 @@ class RLModel:
             return logp.sum(), {"logp": logp, "entropy": ent}
 
         store = self._forward_only(batches, on_output)
-        out = _broadcast_from_last_stage(store, [b.tokens.shape for b in batches], ("logp", "entropy"))
+        out = broadcast_from_last_stage(store, [b.tokens.shape for b in batches], ("logp", "entropy"))
         return [(o["logp"], o["entropy"]) for o in out]
 
     def compute_values(self, batches: list[TrainBatch]) -> list[torch.Tensor]:
@@ -212,7 +211,7 @@ class RLModel:
             return values.sum(), {"values": values}
 
         store = self._forward_only(batches, on_output)
-        return [o["values"] for o in _broadcast_from_last_stage(store, [b.tokens.shape for b in batches], ("values",))]
+        return [o["values"] for o in broadcast_from_last_stage(store, [b.tokens.shape for b in batches], ("values",))]
 
     # -- training ----------------------------------------------------------------------------------
     def train_step(self, batches: list[TrainBatch], loss_fn: Callable[[TrainBatch, dict], LossOutputs]) -> dict[str, float]:
@@ -234,7 +233,7 @@ class RLModel:
         finally:
             self.replayer.clear()
             self.indexers.clear()
-        metrics = _reduce_metrics(store)
+        metrics = reduce_step_metrics(store)
         finite = loss_is_finite(metrics.get("loss", 0.0))
         self.lr.advance()
         applied, grad_norm = guarded_step(self.optimizer, self.clip_grad, finite)
@@ -398,61 +397,3 @@ def _call_loss(loss_fn, batch: TrainBatch, outputs: dict) -> tuple[torch.Tensor,
     metrics = {k: float(v) for k, v in result.metrics.items()}
     metrics["loss"] = float(result.loss.detach())
     return result.loss, metrics
-
-
-def _pp_group_and_last():
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_pipeline_model_parallel_group()
-    last = parallel_state.get_pipeline_model_parallel_last_rank()
-    return group, last, parallel_state.get_pipeline_model_parallel_world_size()
-
-
-def _broadcast_from_last_stage(store: list, shapes: list, keys: tuple) -> list[dict]:
-    """Tensors computed on the last pipeline stage, copied to every stage."""
-    group, last, size = _pp_group_and_last()
-    out = []
-    for i, shape in enumerate(shapes):
-        item = {}
-        for key in keys:
-            tensor = store[i][key].detach().float().contiguous() if store else torch.empty(tuple(shape), device=comm_device())
-            if size > 1:
-                torch.distributed.broadcast(tensor, src=last, group=group)
-            item[key] = tensor.cpu()  # the trainer's tensors live on the CPU
-        out.append(item)
-    return out
-
-
-def _reduce_metrics(store: list) -> dict[str, float]:
-    """The step's metrics over every micro-batch of the last stage and every DP rank, by the algorithm
-    library's rules (combine_metrics): sums, except ``*_max`` (max) and ``*_min`` (min); then
-    ``vf_explained_var`` recomputed from the summed moments of the whole step (finalize_metrics)."""
-    from megatron.core import parallel_state
-
-    from sao_megatron.algorithms import combine_metrics, finalize_metrics
-
-    group, last, size = _pp_group_and_last()
-    summed = combine_metrics(store or [])
-    if size > 1:
-        box = [summed]
-        torch.distributed.broadcast_object_list(box, src=last, group=group)
-        summed = box[0]
-    if parallel_state.get_data_parallel_world_size() > 1 and summed:
-        summed = _all_reduce_metrics(summed, parallel_state.get_data_parallel_group())
-    summed = finalize_metrics(summed)
-    return {k: (v if math.isfinite(v) else float("nan")) for k, v in summed.items()}
-
-
-def _all_reduce_metrics(metrics: dict[str, float], group) -> dict[str, float]:
-    """combine_metrics across ranks: one SUM all-reduce for the additive keys, one MAX for ``*_max`` and
-    the negated ``*_min``. Every rank holds the same keys (the same loss on the same step)."""
-    keys = sorted(metrics)
-    sign = [-1.0 if k.endswith("_min") else 1.0 for k in keys]
-    extreme = [k.endswith(("_max", "_min")) for k in keys]
-    vec = torch.tensor([metrics[k] * s for k, s in zip(keys, sign)], dtype=torch.float64, device=comm_device())
-    is_extreme = torch.tensor(extreme, device=vec.device)
-    total, top = vec.clone(), vec.clone()
-    torch.distributed.all_reduce(total, group=group)
-    torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=group)
-    out = torch.where(is_extreme, top, total).cpu().tolist()
-    return {k: v * s for k, v, s in zip(keys, out, sign)}

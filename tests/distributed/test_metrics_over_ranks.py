@@ -8,12 +8,12 @@ from parallel.distributed import run_distributed_test
 def _reduce_on_two_ranks() -> dict:
     import torch.distributed as dist
 
-    from parallel.rl_model import _all_reduce_metrics
+    from parallel.stage_outputs import all_reduce_metrics
 
     rank = dist.get_rank()
     mine = {"pg_loss": 0.25 + rank, "ratio_max": [3.0, 1.5][rank], "ratio_min": [0.5, -2.0][rank],
             "adv_min": [-1.0, 4.0][rank]}
-    return _all_reduce_metrics(mine, group=dist.group.WORLD)
+    return all_reduce_metrics(mine, group=dist.group.WORLD)
 
 
 def test_dp_ranks_sum_additive_metrics_and_keep_the_extremes_of_max_and_min():
