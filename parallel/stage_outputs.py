@@ -61,9 +61,11 @@ def reduce_step_metrics(store: list) -> dict[str, float]:
 def all_reduce_metrics(metrics: dict[str, float], group) -> dict[str, float]:
     """combine_metrics across ranks: one SUM all-reduce for the additive keys, one MAX for ``*_max`` and
     the negated ``*_min``. Every rank holds the same keys (the same loss on the same step)."""
+    from sao_megatron.algorithms import reduction
+
     keys = sorted(metrics)
-    sign = [-1.0 if k.endswith("_min") else 1.0 for k in keys]
-    extreme = [k.endswith(("_max", "_min")) for k in keys]
+    sign = [-1.0 if reduction(k) == "min" else 1.0 for k in keys]
+    extreme = [reduction(k) != "sum" for k in keys]
     vec = torch.tensor([metrics[k] * s for k, s in zip(keys, sign)], dtype=torch.float64, device=comm_device())
     is_extreme = torch.tensor(extreme, device=vec.device)
     total, top = vec.clone(), vec.clone()

@@ -8,7 +8,7 @@ from .advantages import (broadcast_to_tokens, compute_gae, drgrpo_advantages, dy
                          grpo_advantages, group_stats, length_adaptive_lambda, overlong_penalty, place_scalar_reward,
                          reinforce_pp_advantages, reinforce_pp_baseline_advantages, rloo_advantages,
                          running_mean_advantages, whiten)
-from .aggregation import AGG_MODES, Aggregation, aggregate_loss, combine_metrics, finalize_metrics
+from .aggregation import AGG_MODES, Aggregation, aggregate_loss, combine_metrics, finalize_metrics, reduction
 from .compose import compute_advantages, compute_policy_loss
 from .corrections import CORRECTIONS, correction_weights
 from .kl import KL_ESTIMATORS, apply_kl_penalty, kl_estimate, kl_loss_term, kl_penalty
@@ -19,6 +19,7 @@ from .value_loss import compute_value_loss, explained_variance
 
 __all__ = [
     "compute_policy_loss", "compute_advantages", "compute_value_loss", "combine_metrics", "finalize_metrics",
+    "reduction",
     "dis_loss", "ppo_clip_loss", "gspo_loss", "gspo_token_loss", "cispo_loss", "policy_gradient_loss",
     "compute_gae", "length_adaptive_lambda", "place_scalar_reward", "grpo_advantages", "drgrpo_advantages",
     "rloo_advantages", "running_mean_advantages", "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "whiten", "group_stats",

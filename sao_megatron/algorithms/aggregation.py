@@ -110,21 +110,21 @@ def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str = "tok
     return agg.loss(per_token, mask > 0)
 
 
+def reduction(key: str) -> str:
+    """How a metric combines over micro-batches and ranks: "max" for ``*_max``, "min" for ``*_min``,
+    else "sum" (the additive keys, already divided by the step's global token count)."""
+    return "max" if key.endswith("_max") else "min" if key.endswith("_min") else "sum"
+
+
 def combine_metrics(parts: Iterable[dict]) -> dict:
-    """Combine the metrics of the micro-batches of one step: sum, except ``*_max`` (max), ``*_min`` (min);
-    then ``finalize_metrics``. Across DP ranks do the same with all-reduce SUM / MAX / MIN."""
+    """Combine the metrics of the micro-batches of one step by ``reduction``: sum, except ``*_max`` (max),
+    ``*_min`` (min); then ``finalize_metrics``. Across DP ranks do the same with all-reduce SUM / MAX / MIN."""
+    combine = {"sum": lambda a, b: a + b, "max": max, "min": min}
     out: dict = {}
     for part in parts:
         for key, value in part.items():
             value = float(value)
-            if key not in out:
-                out[key] = value
-            elif key.endswith("_max"):
-                out[key] = max(out[key], value)
-            elif key.endswith("_min"):
-                out[key] = min(out[key], value)
-            else:
-                out[key] += value
+            out[key] = value if key not in out else combine[reduction(key)](out[key], value)
     return finalize_metrics(out)
 
 
