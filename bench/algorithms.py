@@ -27,6 +27,12 @@ the demo recipe (recipes/tiny_sft_sao_cpu.toml) with only the algorithm changed.
   0.76 and 0.88, little room left). From there, one seed, 160 steps (2026-12-05): SAO at 1e-4 rises from
   0.34 to 0.51 training accuracy (held-out 0.38 -> 0.47), GRPO at 1e-4 from 0.37 to 0.48 (0.38 -> 0.47);
   at 3e-4 both fall (SAO to 0.07, GRPO to 0.17). Hence LR_GRID 3e-5 / 1e-4 / 3e-4 and FULL_STEPS 200.
+  The sweep on that start (2 seeds, 200 steps; the first 15 of 42 runs, 2026-12-05; training accuracy of
+  the last 25 steps, last held-out avg@4 in brackets): SAO, GRPO and GRPO+DIS, the arms run so far, learn
+  at 3e-5 and 1e-4; SAO 1e-4 0.60 / 0.58 (0.60 / 0.54), GRPO 1e-4 0.56 / 0.58 (0.59 / 0.49), GRPO+DIS
+  3e-5 0.47 / 0.47 (0.53 / 0.52). At 3e-4 SAO falls within 25 steps (0.26 -> 0.09, 0.28 -> 0.12) while
+  GRPO declines over all 200 (to 0.06 and 0.17): a candidate for the stability setting where arms first
+  learn (2e-4 is untried).
 
 Equal samples: every arm generates the recipe's rollout.batch_size samples per step (single-rollout arms:
 batch_size prompts x 1; group arms: batch_size / 4 prompts x 4), and the critic's warm-up batches are
