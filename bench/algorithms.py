@@ -34,6 +34,13 @@ the demo recipe (recipes/tiny_sft_sao_cpu.toml) with only the algorithm changed.
   GRPO declines over all 200 (to 0.06 and 0.17): a candidate for the stability setting where arms first
   learn (2e-4 is untried).
 
+  The agent task, one SAO pilot (seed 101, lr 1e-4, 30 policy steps from its recipe's 400-step SFT start,
+  bf16 engine, 2026-12-05, sharing the CPU with the scratch sweep): training accuracy 0.49 / 0.46 / 0.47 /
+  0.45 / 0.58 / 0.55 / 0.54 per 5 steps, 2.0 turns per episode, 10.3 s per step (critic 7.1 s, policy
+  2.7 s, rollout wait 0.2 s). At that pace a 200-step run takes about 35 min, and the task's 112 runs
+  about 30 h two at a time: more than this machine gives, so the agent design needs fewer steps or
+  seeds, or a cheaper critic step, before it runs.
+
 Equal samples: every arm generates the recipe's rollout.batch_size samples per step (single-rollout arms:
 batch_size prompts x 1; group arms: batch_size / 4 prompts x 4), and the critic's warm-up batches are
 given to the arms without a critic as extra steps. Per run: start (first batch, the SFT model), final
