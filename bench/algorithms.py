@@ -141,8 +141,9 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
     """quick: scratch:4 with its held-out eval, SAO and running_mean, 1 seed of 2 steps from a 2-step SFT;
     default: chain:1:1, 5 arms x 5 seeds x 100 policy steps (about 20 min on 2 CPU cores with jobs=2);
     full: TASKS_FULL, every arm, lr sweep, 10 seeds x 200 steps, bf16 engine: 2 tasks x 7 arms x (3 lrs x 2
-    sweep seeds + 10 seeds) = 224 runs; a scratch:4 run of 160 steps took about 8 min two at a time (so
-    about 5 h per task on 2 CPU cores with jobs=2); `--tasks scratch:4` and `--tasks agent` split it.
+    sweep seeds + 10 seeds) = 224 runs; a scratch:4 run of 200 steps takes about 9 min two at a time on
+    2 CPU cores (about 8 h for the task's 112 runs), an agent run far longer (module docstring);
+    `--tasks scratch:4` and `--tasks agent` split it.
 
     `tasks` runs only those tasks (same sizes) and keeps the other tasks' rows of an existing
     out_dir/algorithms.json measured with the same steps and seeds. `resume` reads back the runs an
