@@ -13,7 +13,8 @@ Scores (r = response with surrounding whitespace stripped):
   1.0 if r == answer; 0.5 if r starts with the answer (right digit, trailing text);
   0.1 if r starts with another digit (the format is right); else 0.
 - chain ("chain:K:D": K chained + / - operations on numbers of up to D digits, e.g. "chain:2:1" ->
-  "7+5-3="; every partial result stays >= 0; "chain" alone is chain:1:1):
+  "7+5-3="; every partial result stays >= 0; "chain" alone is chain:1:1; "chain:K:D:train" and
+  "chain:K:D:eval" draw only from one side of the held-out split below, plain "chain:K:D" from both):
   1.0 if r == answer; else, when r is a number, 0.5 * (characters equal at equal positions) /
   max(len(r), len(answer)); else 0. Raising K or D lengthens the answer and the work, so the family
   keeps headroom for a model that has mastered an easier level.
@@ -25,9 +26,10 @@ Scores (r = response with surrounding whitespace stripped):
 - scratch ("scratch:K", K in 3..6 chained + / - operations on one-digit numbers, e.g. "7+5-3+2="): a long
   horizon with a sparse reward. The reference response writes every partial result, then the answer
   after "|" ("7+5=12,12-3=9,9+2=11|11": 20-40 characters at K=4); the score is 1.0 when the text after
-  the last "|" is the answer and 0 otherwise, whatever the scratchpad says. Problems are split by a
-  stable hash of their text: "scratch:K" draws only training problems, "scratch:K:eval" only held-out
-  ones (one in SCRATCH_EVAL_SHARE), so an evaluation never sees a training prompt.
+  the last "|" is the answer and 0 otherwise, whatever the scratchpad says. "scratch:K" draws only
+  training problems, "scratch:K:eval" only held-out ones, so an evaluation never sees a training prompt.
+  The held-out split (scratch and chain): a stable hash of the problem's text puts one problem in
+  EVAL_SHARE on the eval side (heldout_split).
 - digits (the prompt is one lowercase letter, "x:"; answer in digits): the fraction of r's characters
   that are digits, 0 for an empty r. The online environment's first phase held fixed: a style the
   tiny model learns within tens of steps, so algorithms can be compared on how fast they learn it.
@@ -74,19 +76,23 @@ def score_arithmetic(response: str, label: str) -> float:
     return 0.0
 
 
-def make_chain(rng: random.Random, ops: int = 1, digits: int = 1) -> Problem:
-    """`ops` chained + / - operations on numbers below 10**digits; no partial result is negative."""
+def make_chain(rng: random.Random, ops: int = 1, digits: int = 1, split: str = "") -> Problem:
+    """`ops` chained + / - operations on numbers below 10**digits; no partial result is negative.
+    `split` 'train' / 'eval' draws from that side of heldout_split only ('' = both)."""
     top = 10 ** digits
-    total = rng.randrange(top)
-    text = str(total)
-    for _ in range(ops):
-        if total > 0 and rng.random() < 0.5:
-            n = rng.randrange(min(total, top - 1) + 1)
-            total, text = total - n, f"{text}-{n}"
-        else:
-            n = rng.randrange(top)
-            total, text = total + n, f"{text}+{n}"
-    return Problem(f"{text}=", str(total), {"task": f"chain:{ops}:{digits}"})
+    while True:                        # with a split, about 1 draw in 5 is eval: a few tries find the wanted side
+        total = rng.randrange(top)
+        text = str(total)
+        for _ in range(ops):
+            if total > 0 and rng.random() < 0.5:
+                n = rng.randrange(min(total, top - 1) + 1)
+                total, text = total - n, f"{text}-{n}"
+            else:
+                n = rng.randrange(top)
+                total, text = total + n, f"{text}+{n}"
+        if not split or heldout_split(text) == split:
+            metadata = {"task": f"chain:{ops}:{digits}", **({"split": split} if split else {})}
+            return Problem(f"{text}=", str(total), metadata)
 
 
 def score_chain(response: str, label: str) -> float:
@@ -99,13 +105,14 @@ def score_chain(response: str, label: str) -> float:
     return 0.5 * same / max(len(r), len(label))
 
 
-SCRATCH_EVAL_SHARE = 5          # one problem in 5 (by a hash of its text) is held out for evaluation
+EVAL_SHARE = 5          # one problem in 5 (by a hash of its text) is held out for evaluation
 SCRATCH_OPS = range(3, 7)
 
 
-def scratch_split(text: str) -> str:
-    """'eval' or 'train' for a scratch problem's text: a stable hash (crc32), the same on every machine."""
-    return "eval" if zlib.crc32(text.encode()) % SCRATCH_EVAL_SHARE == 0 else "train"
+def heldout_split(text: str) -> str:
+    """'eval' or 'train' for a problem's text (without its '='): a stable hash (crc32), the same on every
+    machine."""
+    return "eval" if zlib.crc32(text.encode()) % EVAL_SHARE == 0 else "train"
 
 
 def make_scratch(rng: random.Random, ops: int = 4, split: str = "train") -> Problem:
@@ -122,7 +129,7 @@ def make_scratch(rng: random.Random, ops: int = 4, split: str = "train") -> Prob
                 n = rng.randrange(10)
                 steps.append(f"{total}+{n}={total + n}")
                 total, text = total + n, f"{text}+{n}"
-        if scratch_split(text) == split:
+        if heldout_split(text) == split:
             return Problem(f"{text}=", ",".join(steps) + f"|{total}", {"task": f"scratch:{ops}", "split": split})
 
 
@@ -238,11 +245,12 @@ TASKS: dict[str, Task] = {
 MAX_CHAIN_OPS, MAX_CHAIN_DIGITS = 8, 6
 
 
-def chain_task(ops: int = 1, digits: int = 1) -> Task:
+def chain_task(ops: int = 1, digits: int = 1, split: str = "") -> Task:
     if not (1 <= ops <= MAX_CHAIN_OPS and 1 <= digits <= MAX_CHAIN_DIGITS):
         raise ValueError(f"rollout.task: chain:{ops}:{digits} is out of range; use chain:K:D with K in "
                          f"1..{MAX_CHAIN_OPS} operations and D in 1..{MAX_CHAIN_DIGITS} digits")
-    return Task(f"chain:{ops}:{digits}", lambda rng: make_chain(rng, ops, digits), score_chain, _stripped_equal)
+    name = f"chain:{ops}:{digits}" + (f":{split}" if split else "")
+    return Task(name, lambda rng: make_chain(rng, ops, digits, split), score_chain, _stripped_equal)
 
 
 def get_task(name: str) -> Task:
@@ -255,15 +263,18 @@ def get_task(name: str) -> Task:
             raise ValueError(f"rollout.task: {name!r} is not scratch:K or scratch:K:eval; write e.g. scratch:4")
         return scratch_task(int(parts[0]) if parts else 4, "eval" if len(parts) == 2 else "train")
     if name not in TASKS:
-        raise ValueError(f"rollout.task: unknown task {name!r}; use one of {sorted(TASKS)}, chain:K:D, scratch:K[:eval] "
+        raise ValueError(f"rollout.task: unknown task {name!r}; use one of {sorted(TASKS)}, chain:K:D[:train|:eval], scratch:K[:eval] "
                          "or 'online'")
     return TASKS[name]
 
 
-def _chain_level(name: str) -> tuple[int, int]:
+def _chain_level(name: str) -> tuple[int, int, str]:
+    """(ops, digits, split) of 'chain', 'chain:K', 'chain:K:D' or 'chain:K:D:train|eval'."""
     parts = name.split(":")[1:]
+    split = parts.pop() if len(parts) == 3 and parts[2] in ("train", "eval") else ""
     if len(parts) > 2 or not all(p.isdigit() for p in parts):
-        raise ValueError(f"rollout.task: {name!r} is not chain:K:D; write e.g. chain:2:1 (2 operations, 1-digit numbers)")
+        raise ValueError(f"rollout.task: {name!r} is not chain:K:D[:train|:eval]; write e.g. chain:2:1 "
+                         "(2 operations, 1-digit numbers) or chain:2:1:eval (its held-out problems)")
     ops = int(parts[0]) if parts else 1
     digits = int(parts[1]) if len(parts) > 1 else 1
-    return ops, digits
+    return ops, digits, split

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from rollout.rewards.tasks import get_task, scratch_split
+from rollout.rewards.tasks import get_task, heldout_split
 
 
 def test_the_scratchpad_task_writes_every_partial_result_and_rewards_only_the_final_answer():
@@ -35,8 +35,8 @@ def test_train_and_eval_prompts_are_disjoint_and_both_plentiful():
     held_out = {get_task("scratch:4:eval").make(rng).text for _ in range(3000)}
     assert not train & held_out
     assert len(train) > 1000 and len(held_out) > 1000                  # thousands of problems, not a handful
-    assert all(scratch_split(t[:-1]) == "train" for t in train)
-    assert all(scratch_split(t[:-1]) == "eval" for t in held_out)
+    assert all(heldout_split(t[:-1]) == "train" for t in train)
+    assert all(heldout_split(t[:-1]) == "eval" for t in held_out)
 
 
 @pytest.mark.parametrize("name", ["scratch:2", "scratch:4:train", "scratch:x", "scratch:4:eval:1"])

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from rollout.rewards.task_reward import task_reward
-from rollout.rewards.tasks import get_task, score_chain
+from rollout.rewards.tasks import get_task, heldout_split, score_chain
 from sao_megatron.core.records import Sample
 from sao_megatron.metrics.learning import accuracy
 
@@ -73,8 +73,29 @@ def test_accuracy_without_a_correct_flag_uses_full_reward():
     assert accuracy(samples) == 0.5
 
 
+@pytest.mark.parametrize("level", ["1:1", "2:1"])
+def test_a_chain_split_draws_only_its_side_and_the_plain_name_both(level):
+    def texts(name):
+        task, rng = get_task(name), random.Random(5)
+        return {task.make(rng).text for _ in range(3000)}
+
+    train, held_out, both = texts(f"chain:{level}:train"), texts(f"chain:{level}:eval"), texts(f"chain:{level}")
+    assert held_out and not train & held_out                            # an eval never sees a training prompt
+    assert {heldout_split(t[:-1]) for t in train} == {"train"} and {heldout_split(t[:-1]) for t in held_out} == {"eval"}
+    assert {heldout_split(t[:-1]) for t in both} == {"train", "eval"}
+    assert len(held_out) < len(train)                                    # one problem in EVAL_SHARE is held out
+    problem = get_task(f"chain:{level}:eval").make(random.Random(0))
+    assert int(problem.label) == eval(problem.text[:-1]) and problem.metadata["split"] == "eval"
+    assert get_task(problem.metadata["task"]).score(problem.label, problem.label) == 1.0   # the reward resolves it
+
+
+def test_chain_without_a_split_draws_what_it_always_drew():
+    rng = random.Random(7)            # the demo task's prompts (and every published run) stay the same
+    assert [get_task("chain:1:1").make(rng).text for _ in range(5)] == ["5+6=", "0+1=", "8-0=", "8-1=", "6-1="]
+
+
 @pytest.mark.parametrize("name,fix", [("chain:0:1", "1..8"), ("chain:2:9", "1..6"), ("chain:x", "chain:K:D"),
-                                      ("chains", "chain:K:D")])
+                                      ("chains", "chain:K:D"), ("chain:1:1:test", "chain:K:D[:train|:eval]")])
 def test_bad_chain_names_say_how_to_write_one(name, fix):
     with pytest.raises(ValueError, match="rollout.task") as err:
         get_task(name)
