@@ -35,15 +35,14 @@ from pathlib import Path
 from typing import Optional
 
 from rollout.agents.tool_loop import ToolAgent, ToolCall
-from rollout.context import fit_max_new_tokens
-from rollout.engines.engine import Generator, GenerateRequest
+from rollout.engines.engine import Generator
 from rollout.rewards.code import NONCE_FILE, harness_script, new_sentinel, tests_ran_to_the_end
 from rollout.rewards.sandbox import SandboxLimits, SandboxResult, run_python
 from sao_megatron.core.config.errors import ConfigError
 from sao_megatron.core.records import Sample
 
 from .patches import PatchError, apply_submission, safe_path
-from .runner import AgenticEval, EpisodeResult, encode_prompt
+from .runner import AgenticEval, EpisodeResult, encode_prompt, engine_turn
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +209,7 @@ class CodeRepairEval(AgenticEval):
         workspace = dict(problem.files)
         sample = Sample(uid=f"{self.name}-{problem.task_id}-{seed}", prompt_index=problem.line,
                         prompt_ids=encode_prompt(tokenizer, self.messages(problem)))
-        turn = _engine_turn(engine, seed, self.temperature, self.context_length)
+        turn = engine_turn(engine, seed, self.temperature, self.context_length)
         await self.agent(tokenizer, workspace).rollout(sample, turn)
         info = {"task": problem.task_id, "turns": sample.metadata.get("turns", 0),
                 "submitted": "submitted" in sample.metadata, "status": sample.status.value}
@@ -263,28 +262,6 @@ async def run_hidden_tests(task: RepairTask, files: dict[str, str],
     setup = workspace_script({**files, **task.tests}, "")
     result = await run_python(harness_script(setup, task.test_code()), limits, files={NONCE_FILE: sentinel})
     return tests_ran_to_the_end(result, sentinel), result
-
-
-def _engine_turn(engine: Generator, seed: int, temperature: float, context_length: Optional[int] = None):
-    """The agent's turn function: one generate call on `engine`, appended as action tokens. The
-    budget is capped to the context (a full one ends the turn as `length` without a call); a prompt
-    that alone does not fit raises PromptTooLong, which scores the episode 0 with that reason."""
-    async def turn(sample: Sample, max_new_tokens: int, stop_ids: list[int]) -> str:
-        n = sample.metadata.get("turns", 0)
-        max_new_tokens = fit_max_new_tokens(len(sample.prompt_ids), sample.num_tokens, max_new_tokens, context_length)
-        if max_new_tokens <= 0:
-            return "length"
-        request = GenerateRequest(rid=f"{sample.uid}-t{n}", input_ids=sample.prompt_ids + sample.response_ids,
-                                  max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + 7919 * n,
-                                  stop_token_ids=stop_ids, return_routed_experts=False)
-        result = await engine.generate(request)
-        count = len(result.output_ids)
-        sample.response_ids += result.output_ids
-        sample.loss_mask += [1] * count
-        sample.rollout_logprobs += list(result.output_logprobs or [0.0] * count)
-        sample.weight_versions += list(result.output_weight_versions or [result.weight_version] * count)
-        return "stop" if result.finish_reason == "stop" else "length"
-    return turn
 
 
 async def validate_task(task, limits: SandboxLimits = SandboxLimits()) -> Optional[str]:

@@ -23,6 +23,7 @@ from typing import Optional
 from rollout.context import PromptTooLong, fit_max_new_tokens
 from rollout.engines.engine import Generator, GenerateRequest
 from sao_megatron.core.config.errors import ConfigError
+from sao_megatron.core.records import Sample
 from sao_megatron.core.imports import resolve_import_path
 
 from .scores import summarize
@@ -31,7 +32,8 @@ log = logging.getLogger(__name__)
 
 # eval.datasets scheme -> 'module:class' of an AgenticEval with
 # from_source(arg, eval_cfg, rollout_cfg, context_length=None).
-AGENTIC_EVALS = {"code_repair": "sao_megatron.evaluation.code_repair:CodeRepairEval"}
+AGENTIC_EVALS = {"code_repair": "sao_megatron.evaluation.code_repair:CodeRepairEval",
+                 "tool_task": "sao_megatron.evaluation.tool_task:ToolTaskEval"}
 
 
 @dataclass
@@ -218,3 +220,25 @@ def encode_prompt(tokenizer, prompt, template=None) -> list[int]:
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                   return_dict=False, **template_kwargs(template)))
     return tokenizer.encode(prompt if isinstance(prompt, str) else messages[-1]["content"])
+
+
+def engine_turn(engine: Generator, seed: int, temperature: float, context_length: Optional[int] = None):
+    """The agent's turn function: one generate call on `engine`, appended as action tokens. The
+    budget is capped to the context (a full one ends the turn as `length` without a call); a prompt
+    that alone does not fit raises PromptTooLong, which scores the episode 0 with that reason."""
+    async def turn(sample: Sample, max_new_tokens: int, stop_ids: list[int]) -> str:
+        n = sample.metadata.get("turns", 0)
+        max_new_tokens = fit_max_new_tokens(len(sample.prompt_ids), sample.num_tokens, max_new_tokens, context_length)
+        if max_new_tokens <= 0:
+            return "length"
+        request = GenerateRequest(rid=f"{sample.uid}-t{n}", input_ids=sample.prompt_ids + sample.response_ids,
+                                  max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + 7919 * n,
+                                  stop_token_ids=stop_ids, return_routed_experts=False)
+        result = await engine.generate(request)
+        count = len(result.output_ids)
+        sample.response_ids += result.output_ids
+        sample.loss_mask += [1] * count
+        sample.rollout_logprobs += list(result.output_logprobs or [0.0] * count)
+        sample.weight_versions += list(result.output_weight_versions or [result.weight_version] * count)
+        return "stop" if result.finish_reason == "stop" else "length"
+    return turn

@@ -19,6 +19,7 @@ TASK_LOOKUP = "rollout.rewards.tasks:get_task"
 AGENTIC_EVALS = "sao_megatron.evaluation.runner:AGENTIC_EVALS"
 FAMILIES = "checkpoints.arch:ARCHS"
 ONLINE_TASK = "online"   # the changing environment (rollout/rewards/environments.py), not in the task table
+TASK_SCHEMES = ("task", "tool_task")   # eval sources whose argument is a built-in task, not a file
 
 
 def check_installed(recipe) -> None:
@@ -70,9 +71,10 @@ def check_model_presets(model) -> None:
 
 
 def check_eval_source(source: str, own_schemes: dict = {}) -> None:   # noqa: B006 - read only
-    """'task:NAME', 'SCHEME:FILE' of a registered agentic eval, or an existing jsonl/parquet file."""
+    """'task:NAME' or 'tool_task:NAME', 'SCHEME:FILE' of a registered agentic eval, or an existing
+    jsonl/parquet file."""
     scheme, sep, arg = source.partition(":")
-    if sep and scheme == "task":
+    if sep and scheme in TASK_SCHEMES:
         check_task("eval.datasets", arg)
         return
     if sep:

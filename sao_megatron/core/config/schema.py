@@ -284,7 +284,8 @@ class LoggingConfig:
 class EvalConfig:
     interval: int = doc(0, "Evaluate every N steps (0 = off).", bounds=">= 0")
     datasets: list = doc([], "Held-out sets: jsonl files with 'prompt' and 'answer', 'task:NAME', or an agentic "
-                             "benchmark 'code_repair:FILE.jsonl' (docs/evaluation.md).")
+                             "benchmark: 'code_repair:FILE.jsonl', 'tool_task:NAME' (the python-tool agent on a "
+                             "built-in task) (docs/evaluation.md).")
     k: int = doc(4, "Samples per problem for avg@k / pass@k.", bounds=">= 1")
     max_problems: int = doc(0, "Evaluate at most this many problems per set (0 = all).", bounds=">= 0")
     max_turns: int = doc(8, "Agentic sets: model turns per episode (each up to rollout.max_new_tokens tokens).",
