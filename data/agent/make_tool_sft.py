@@ -23,7 +23,8 @@ def transcript(problem: str, answer: str) -> str:
 
 
 def main() -> None:
-    rows = task_rows("chain:1:1", seed=20_000, num_problems=512)       # a seed apart from RL's prompts
+    # the training side only: the held-out problems (chain:1:1:eval) stay unseen until eval
+    rows = task_rows("chain:1:1:train", seed=20_000, num_problems=512)   # a seed apart from RL's prompts
     out = Path(__file__).with_name("tool_sft.jsonl")
     with out.open("w") as fh:
         for row in rows:

@@ -15,6 +15,7 @@ from checkpoints.init_model import build_tokenizer
 from rollout.agents.tool_loop import FunctionAgent, ToolAgent, append_observation
 from rollout.driver import RolloutDriver
 from rollout.prompts import build_prompt_source
+from rollout.rewards.tasks import heldout_split
 from rollout.engines.scripted import ScriptedEngine
 from sao_megatron.core.config import ConfigError, load_recipe
 from sao_megatron.core.config.schema import AGENTS as AGENT_NAMES
@@ -89,6 +90,15 @@ def test_single_turn_runs_log_one_turn():
     recipe = load_recipe("recipes/tiny_agent_cpu.toml", SMALL + ["rollout.agent="], check_files=False)
     agent, _, metrics = asyncio.run(one_batch(recipe, lambda ids: TOK.encode("7", add_special_tokens=False)))
     assert agent is None and metrics["rollout/turns"] == 1.0
+
+
+def test_the_agent_recipe_trains_and_warm_starts_on_problems_its_eval_never_sees():
+    recipe = load_recipe("recipes/tiny_agent_cpu.toml", SMALL, check_files=True)
+    level = recipe.rollout.task.removesuffix(":train")
+    assert recipe.rollout.task == f"{level}:train" and recipe.eval.datasets == [f"tool_task:{level}:eval"]
+    assert recipe.eval.interval > 0 and recipe.eval.max_turns == recipe.rollout.max_turns
+    rows = [json.loads(line) for line in open(recipe.sft.dataset)]
+    assert len(rows) == 512 and {heldout_split(row["prompt"].rstrip("=")) for row in rows} == {"train"}
 
 
 def test_every_agent_name_the_schema_accepts_is_built_here():
