@@ -3,13 +3,15 @@
 Default (the runs in results/algorithms.json): chain:1:1, SAO / GRPO / GRPO+DIS / GSPO / PPO, 5 seeds,
 the demo recipe (recipes/tiny_sft_sao_cpu.toml) with only the algorithm changed.
 
---full (issue 30; hours on 2 CPU cores, not run yet): every arm of ARMS_FULL, which isolates SAO's parts
+--full (issue 30; hours on 2 CPU cores, under way): the arms of ARMS_FULL, which isolate SAO's parts
   - the critic: SAO vs `running_mean` (single rollout, advantage = reward - running mean, no critic);
   - single rollout vs groups: SAO vs GRPO+DIS (same DIS loss);
   - DIS vs PPO-clip: SAO vs `sao_ppo_clip` (SAO with the PPO clip 0.2 / 0.2 in place of DIS, same critic);
   on two tasks where those parts have work (TASKS_FULL): `scratch:4` (four chained operations written
   out in a 20-40 character scratchpad, reward only on the final answer, held-out eval prompts disjoint
-  from the training prompts) and `agent` (the multi-turn python-tool agent of recipes/tiny_agent_cpu.toml);
+  from the training prompts) and `agent` (the multi-turn python-tool agent of recipes/tiny_agent_cpu.toml,
+  trained on chain:1:1:train and evaluated by its own episodes on the held-out chain:1:1:eval problems,
+  eval set tool_task; FULL_DESIGN gives it SAO and the two ablation arms at 100 steps, every arm on scratch);
   with the engine in bf16 against the fp32 trainer (rollout.engine_dtype), a real train/inference
   mismatch for DIS to correct. Per arm, a learning-rate sweep (LR_GRID) on SWEEP_SEEDS picks the lr with
   the best held-out accuracy; then FULL_SEEDS fresh seeds run at that lr.
@@ -38,8 +40,9 @@ the demo recipe (recipes/tiny_sft_sao_cpu.toml) with only the algorithm changed.
   bf16 engine, 2026-12-05, sharing the CPU with the scratch sweep): training accuracy 0.49 / 0.46 / 0.47 /
   0.45 / 0.58 / 0.55 / 0.54 per 5 steps, 2.0 turns per episode, 10.3 s per step (critic 7.1 s, policy
   2.7 s, rollout wait 0.2 s). At that pace a 200-step run takes about 35 min, and the task's 112 runs
-  about 30 h two at a time: more than this machine gives, so the agent design needs fewer steps or
-  seeds, or a cheaper critic step, before it runs.
+  about 30 h two at a time: more than this machine gives. Hence FULL_DESIGN: on the agent task SAO,
+  running_mean and sao_ppo_clip only (the comparisons that isolate the critic and DIS; 48 runs) at 100
+  policy steps (the pilot moved within 30). The critic's 2 updates a step are the recipe's and stay.
 
 Equal samples: every arm generates the recipe's rollout.batch_size samples per step (single-rollout arms:
 batch_size prompts x 1; group arms: batch_size / 4 prompts x 4), and the critic's warm-up batches are
@@ -90,12 +93,22 @@ EVAL_K, EVAL_PROBLEMS = 4, 64
 SCRATCH_SFT_STEPS = 400   # scratch:4 from 200 / 400 / 600 / 1000 SFT steps: held-out avg@4 0.13 / 0.28 / 0.76 / 0.88
 
 
+# --full, per task: arms and policy steps. scratch:4 runs every arm; the agent task, whose steps cost
+# about 3x scratch's (module docstring), runs SAO and the two ablation arms (the critic: running_mean;
+# DIS: sao_ppo_clip) for half the steps, so both ablations are tested on two tasks in a time this
+# machine gives (3 arms x (3 lrs x 2 sweep seeds + 10 seeds) = 48 runs).
+FULL_DESIGN = {"scratch:4": {"arms": list(ARMS_FULL), "steps": FULL_STEPS},
+               "agent": {"arms": ["sao", "running_mean", "sao_ppo_clip"], "steps": 100}}
+AGENT_EVAL = "tool_task:chain:1:1:eval"      # the agent's own episodes on the 30 held-out chain:1:1 problems
+
+
 def task_setup(task: str, quick: bool = False) -> dict:
     """How a task runs: recipe, overrides for SFT and RL, its held-out eval set ('' = none)."""
     if task == "agent":
         # absolute: `sao sft` runs inside the out dir, where the recipe's relative path does not resolve
         return {"recipe": AGENT_RECIPE, "sft": [f"sft.dataset='{REPO / 'data' / 'agent' / 'tool_sft.jsonl'}'"],
-                "rl": [], "eval": "", "start": "sft_start_agent"}
+                "rl": [f"eval.datasets=['{AGENT_EVAL}']", "eval.interval=25", f"eval.k={EVAL_K}", "eval.max_problems=0"],
+                "eval": AGENT_EVAL, "start": "sft_start_agent"}
     if task.startswith("scratch"):
         rl = [f"rollout.task='{task}'", "rollout.max_new_tokens=48"]
         eval_every, problems = (3, 8) if quick else (25, EVAL_PROBLEMS)   # quick: once, at its last step
@@ -140,10 +153,9 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
         tasks: Optional[list[str]] = None, jobs: int = 1, resume: bool = False) -> dict:
     """quick: scratch:4 with its held-out eval, SAO and running_mean, 1 seed of 2 steps from a 2-step SFT;
     default: chain:1:1, 5 arms x 5 seeds x 100 policy steps (about 20 min on 2 CPU cores with jobs=2);
-    full: TASKS_FULL, every arm, lr sweep, 10 seeds x 200 steps, bf16 engine: 2 tasks x 7 arms x (3 lrs x 2
-    sweep seeds + 10 seeds) = 224 runs; a scratch:4 run of 200 steps takes about 9 min two at a time on
-    2 CPU cores (about 8 h for the task's 112 runs), an agent run far longer (module docstring);
-    `--tasks scratch:4` and `--tasks agent` split it.
+    full: TASKS_FULL with FULL_DESIGN's arms and steps, lr sweep, 10 seeds, bf16 engine: scratch:4 7 arms x
+    (3 lrs x 2 sweep seeds + 10 seeds) = 112 runs of 200 steps (about 9 min each two at a time on 2 CPU
+    cores: about 8 h), agent 3 arms, 48 runs of 100 steps; `--tasks scratch:4` and `--tasks agent` split it.
 
     `tasks` runs only those tasks (same sizes) and keeps the other tasks' rows of an existing
     out_dir/algorithms.json measured with the same steps and seeds. `resume` reads back the runs an
@@ -155,9 +167,8 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
     unknown = [t for t in tasks if t not in TASKS + TASKS_FULL]
     if unknown:
         raise ValueError(f"bench algorithms: unknown task(s) {unknown}; use {TASKS + TASKS_FULL}")
-    arms = ["sao", "running_mean"] if quick else list(ARMS_FULL) if full else list(ALGORITHMS)
     seeds = [1] if quick else FULL_SEEDS if full else [1, 2, 3, 4, 5]
-    steps, warmup = (2, 1) if quick else ((FULL_STEPS, WARMUP) if full else (100, WARMUP))
+    warmup = 1 if quick else WARMUP
     grid = LR_GRID if full else []      # the sweep's selection is unit-tested; quick runs stay two runs
     common = MISMATCH if full else []
     table = {k: v for k, v in keep.get("table", {}).items() if k.split("/")[0] not in tasks}
@@ -169,6 +180,7 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
     reused: list[str] = []
     for task in tasks:
         started, setup = time.perf_counter(), task_setup(task, quick)
+        arms, steps = design(task, quick, full)
         model = sft_start(out_dir, quick, recipe=setup["recipe"], overrides=tuple(setup["sft"]), name=setup["start"],
                           steps=setup.get("sft_steps"))
         base = from_sft(model) + setup["rl"] + common
@@ -220,15 +232,27 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
         task_runs[task] = {"command": "sao bench algorithms" + (" --quick" if quick else "") + (" --full" if full else "")
                            + (f" --tasks {','.join(tasks)}" if explicit else ""), "eval": setup["eval"],
                            "recipe": str(setup["recipe"].relative_to(REPO)), "start": sft_info(model, setup["recipe"], task),
-                           "wall_s": time.perf_counter() - started, "date": time.strftime("%Y-%m-%d"), "jobs": jobs}
+                           "wall_s": time.perf_counter() - started, "date": time.strftime("%Y-%m-%d"), "jobs": jobs,
+                           "arms": arms, "steps": steps}
     for task, per in curves.items():
         plot_curves(per, f"{task} from the SFT start: accuracy per step (mean +- std, {len(seeds)} seeds)",
                     out_dir / f"algorithms_{_slug(task)}.png", ylabel="accuracy")
     first = task_runs[tasks[0]]["start"]
     return {"table": table, "curves": curves, "comparisons": comparisons, "summary": _summary(table),
-            "steps": steps, "warmup": warmup, "seeds": seeds, "edge": EDGE, "task_runs": task_runs,
+            "steps": design(TASK, quick, full)[1], "warmup": warmup, "seeds": seeds, "edge": EDGE, "task_runs": task_runs,
             "start": first, "samples_per_step": _batch_size(work / specs[0][0]), "failed_runs": failed,
             "lr_sweep": sweeps, "engine_dtype": "bf16" if common else "fp32", "reused_runs": reused}
+
+
+def design(task: str, quick: bool, full: bool) -> tuple[list[str], int]:
+    """(arms, policy steps) of a task in a variant: quick 2 arms x 2 steps, default ALGORITHMS x 100,
+    full FULL_DESIGN's (every arm x FULL_STEPS for a task it does not list)."""
+    if quick:
+        return ["sao", "running_mean"], 2
+    if full:
+        planned = FULL_DESIGN.get(task, {"arms": list(ARMS_FULL), "steps": FULL_STEPS})
+        return list(planned["arms"]), planned["steps"]
+    return list(ALGORITHMS), 100
 
 
 def _slug(task: str) -> str:
@@ -260,4 +284,10 @@ def _previous(path: Path, full: bool) -> dict:
     steps = FULL_STEPS if full else 100
     if old.get("quick") or old.get("steps") != steps or bool(old.get("full")) != full or "comparisons" not in old:
         return {}
+    stale = [task for task, info in old.get("task_runs", {}).items()      # a task run at other steps or arms
+             if (info.get("arms"), info.get("steps")) not in ((None, None), tuple(design(task, False, full)))]
+    for key in ("table", "lr_sweep"):
+        old[key] = {k: v for k, v in old.get(key, {}).items() if k.split("/")[0] not in stale}
+    for key in ("curves", "comparisons", "task_runs"):
+        old[key] = {k: v for k, v in old.get(key, {}).items() if k not in stale}
     return old

@@ -85,7 +85,9 @@ def algorithms_section(r: dict, link) -> str:
                          " / ".join(str(n) for n in v.get("samples_per_run", [])),
                          f"{v['lr']:g}" if v.get("lr") else "recipe's",
                          f"{statistics.fmean(wall):.0f}" if wall else "not recorded"])
-        out.append(f"**`{task}`**")
+        design = r.get("task_runs", {}).get(task, {})
+        out.append(f"**`{task}`**" + (f" ({design['steps']} policy steps; the design's arms on this task: "
+                                      f"{', '.join(design['arms'])})" if design.get("arms") else ""))
         held = (r.get("task_runs", {}).get(task, {}).get("eval") or "none: this task has no held-out split")
         out.append(md_table(["algorithm", "final accuracy", f"held-out accuracy ({held})", "gain (points)",
                              "AUC accuracy", "final reward", "samples per run", "policy lr", "wall s per run"], rows))

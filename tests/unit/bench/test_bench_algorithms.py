@@ -88,11 +88,39 @@ def test_the_full_design_sweeps_the_lr_on_held_out_prompts_then_runs_fresh_seeds
 def test_the_agent_task_runs_on_the_agent_recipe_from_its_own_sft_start(tmp_path, fake_runs, monkeypatch):
     starts = []
     monkeypatch.setattr(algorithms, "sft_start", lambda out_dir, quick=False, **kw: starts.append(kw) or tmp_path)
-    algorithms.run(out_dir=tmp_path, full=True, tasks=["agent"])
+    result = algorithms.run(out_dir=tmp_path, full=True, tasks=["agent"])
     recipes = fake_runs.pop("_recipes")
     assert set(recipes.values()) == {algorithms.AGENT_RECIPE}
     assert starts[0]["recipe"] == algorithms.AGENT_RECIPE and starts[0]["name"] == "sft_start_agent"
-    assert not any("eval.datasets" in o for runs in [fake_runs.values()] for o in runs)   # no disjoint split
+    # the agent's own episodes on held-out problems choose the lr
+    assert all("eval.datasets=['tool_task:chain:1:1:eval']" in o for o in fake_runs.values())
+    assert result["lr_sweep"]["agent/sao"]["score"] == "heldout_acc"
+    # SAO and both ablation arms, 10 fresh seeds each, at half the scratch task's steps
+    arms = {name.split("-")[1] for name in fake_runs}
+    assert arms == {"sao", "running_mean", "sao_ppo_clip"} == set(result["task_runs"]["agent"]["arms"])
+    assert len([n for n in fake_runs if "-lr" not in n]) == 3 * 10
+    assert "run.num_steps=100" in fake_runs["agent-sao-s1"] and "run.num_steps=110" in fake_runs["agent-running_mean-s1"]
+    assert result["task_runs"]["agent"]["steps"] == 100 and result["steps"] == algorithms.FULL_STEPS
+    assert set(result["comparisons"]["agent"]) == {"sao-sao_ppo_clip", "sao-running_mean"}
+    from bench.report_claims import _algorithm_rows
+    from bench.report_learning import algorithms_section
+
+    text = algorithms_section(dict(result, full=True), lambda *a: "")
+    assert "**`agent`** (100 policy steps; the design's arms on this task: sao, running_mean, sao_ppo_clip)" in text
+    rows = _algorithm_rows(result)          # the claims against arms the design does not run here are not rows
+    assert rows and not any("not yet run" in row["measured"] for row in rows)
+
+
+def test_a_kept_task_measured_at_other_steps_or_arms_is_dropped_not_mixed_in(tmp_path, fake_runs):
+    first = algorithms.run(out_dir=tmp_path, full=True, tasks=["agent"])
+    first["task_runs"]["agent"]["steps"] = 200              # as a file from before FULL_DESIGN would say
+    (tmp_path / "algorithms.json").write_text(json.dumps(dict(first, quick=False, full=True)))
+    result = algorithms.run(out_dir=tmp_path, full=True, tasks=["scratch:4"])
+    assert not any(key.startswith("agent/") for key in result["table"]) and "agent" not in result["comparisons"]
+    first["task_runs"]["agent"]["steps"] = 100
+    (tmp_path / "algorithms.json").write_text(json.dumps(dict(first, quick=False, full=True)))
+    result = algorithms.run(out_dir=tmp_path, full=True, tasks=["scratch:4"])
+    assert result["table"]["agent/sao"] == first["table"]["agent/sao"]
 
 
 def test_the_scratch_task_starts_from_a_longer_sft_than_the_demos(tmp_path, fake_runs, monkeypatch):
