@@ -34,7 +34,8 @@ def run(args) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"sao eval: --checkpoint {args.checkpoint}: {err}", file=sys.stderr)
         return 2
-    recipe = load_recipe(args.recipe, list(args.overrides) + [f"model.path='{model_dir}'"])
+    # sft.steps=0: eval runs no SFT, so an sft.dataset relative to another directory is not its concern
+    recipe = load_recipe(args.recipe, list(args.overrides) + [f"model.path='{model_dir}'", "sft.steps=0"])
     if not recipe.eval.datasets:
         raise ConfigError("eval.datasets", "no evaluation sets",
                           "add e.g. eval.datasets=['task:arithmetic'], jsonl files or 'code_repair:FILE.jsonl'")

@@ -97,3 +97,18 @@ def test_a_recipe_names_it_and_a_bad_task_is_one_line_naming_the_field():
     out = asyncio.run(evaluate_all([policy(solve, lambda out: call("submit", answer=out))], TOK, eval_cfg,
                                    rollout_cfg))
     assert out["eval/tool_task-chain-1-1-eval/avg@2"] == 1.0 and out["eval/tool_task-chain-1-1-eval/problems"] == 3.0
+
+
+def test_sao_eval_of_the_agent_recipe_from_another_directory_checks_only_what_eval_uses(tiny_model_dir, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """The recipe's sft.dataset is relative to the repository; eval runs no SFT, so it is not checked."""
+    from pathlib import Path
+
+    from sao_megatron.cli.main import main
+
+    recipe = Path(__file__).resolve().parents[3] / "recipes" / "tiny_agent_cpu.toml"
+    monkeypatch.chdir(tmp_path)
+    code = main(["eval", str(recipe), f"run.output_dir='{tmp_path}'", "eval.datasets=['code_repair:nope.jsonl']",
+                 "--checkpoint", str(tiny_model_dir)])
+    err = capsys.readouterr().err
+    assert code == 2 and "code_repair task file nope.jsonl does not exist" in err and "sft.dataset" not in err
