@@ -68,6 +68,7 @@ def stability_section(r: dict, link) -> str:
     if not any(peak_gain(x) > threshold for v in res.values() for x in v["runs"]):
         out.append(f"No run learned (peak gain above {threshold:.2f}) in this file: every collapse above is a fall "
                    "from the start, not 'learns, then collapses'; the setting is a floor, not a test of stability.")
+    out.append(_falls_without_learning(res, threshold))
     if not any(x["collapsed"] for v in res.values() for x in v["runs"]):
         out.append("No run collapsed in this file: it compares learning in this setting, not stability; a claim "
                    "that one method collapses less cannot be tested on it.")
@@ -87,6 +88,21 @@ def stability_section(r: dict, link) -> str:
         out.append(f"The `--full` version (>= 10 seeds per arm, a setting where runs first learn, time to collapse "
                    f"with Kaplan-Meier curves and log-rank tests; bench/stability.py): {NOT_RUN}.")
     return "\n\n".join(x for x in out if x)
+
+
+def _falls_without_learning(res: dict, threshold: float) -> str:
+    """Per arm, the accuracy collapses (collapse_step) of runs that never learned: falls from the start."""
+    parts = []
+    for algo, v in res.items():
+        fell = [x for x in v["runs"] if x.get("collapse_step") is not None]
+        unlearned = [x for x in fell if peak_gain(x) <= threshold]
+        if unlearned:
+            parts.append(f"{algo}: {len(unlearned)} of its {len(fell)}")
+    if not parts:
+        return ""
+    return ("Accuracy collapses in runs that never learned (peak gain at most the threshold), falls from the start "
+            "rather than 'learns, then collapses', which the time-to-collapse rows below count all the same: "
+            + "; ".join(parts) + ".")
 
 
 def survival_text(res: dict) -> str:
