@@ -19,12 +19,16 @@ learned. `collapse_step` = the first policy step at which the reward-collapse co
 running values (None: never), the time Kaplan-Meier curves and log-rank tests (bench/survival.py) read.
 
 `--full` uses 10 seeds per arm at the demo's own learning rate with the staleness pushed to 8, so that
-runs first learn and then may collapse; every arm is hours on 2 CPU cores, `--arms sao,grpo` 25 min
-(run 2026-12-05, results/stability.json: every run of both arms learned, peak gain 0.26 and 0.23; no
-run's accuracy collapsed; one SAO run passed the ratio-divergence bound, 3.01x against 3x). One check (SAO, seed 1,
-200-step SFT start, 2026-12-04): start 0.42, peak gain 0.18 (learned), final 0.58, staleness mean 7.5, no
-collapse and no grad-norm spike in 240 steps. Whether the other arms collapse there is what the full run
-will show; if none does, the setting tests learning under staleness, not collapse, and the report says so.
+runs first learn and then may collapse; the seven arms take about 75 min on 2 CPU cores with jobs=2 (SAO and
+GRPO 2026-12-05 at 991b2e0, the other five arms the same day at 1d23603, read together with --resume:
+results/stability.json). Every run of SAO, GRPO, PPO, running_mean and sao_ppo_clip learned, GRPO+DIS 9
+of 10, GSPO none (peak gain 0.03). No run that learned collapsed in accuracy; one SAO, one GRPO+DIS and
+one GSPO run passed the ratio-divergence bound. Accuracy fell below half its peak in 7 GSPO runs (one still
+there at the end) and in the one GRPO+DIS run that did not learn: falls from the start, not "learns, then
+collapses" (the log-rank rows count them all the same; the report says which). So this setting tests
+learning under staleness; a claim that one method collapses less after learning cannot be tested here
+(the report says so). On scratch:4 (bench/algorithms.py) the lr moves runs from learning to falling at
+once (1e-4 learns, 2e-4 level or slow, 3e-4 falls), so it gives no learn-then-collapse setting either.
 """
 from __future__ import annotations
 
