@@ -102,9 +102,10 @@ def algorithms_section(r: dict, link) -> str:
     out.append(failures_text(r))
     out.append(_lr_sweep_text(r))
     if not r.get("full"):
-        out.append(f"The `--full` version (>= 10 fresh seeds per arm on the long-horizon `scratch` task and the "
-                   f"multi-turn `agent` task, every arm and both ablations, a learning-rate sweep per arm chosen on "
-                   f"held-out prompts, a bf16 engine against the fp32 trainer; bench/algorithms.py): {NOT_RUN}.")
+        out.append(f"The `--full` version (>= 10 fresh seeds per arm: every arm on the long-horizon `scratch:4` "
+                   f"task, SAO and both ablation arms on the multi-turn `agent` task, a learning-rate sweep per arm "
+                   f"chosen on held-out prompts, a bf16 engine against the fp32 trainer; bench/algorithms.py "
+                   f"FULL_DESIGN): {NOT_RUN}.")
     return "\n\n".join(x for x in out if x)
 
 
