@@ -56,6 +56,11 @@ def parse_tool_call(text: str) -> Optional[ToolCall | str]:
     return ToolCall(data["name"], data.get("arguments", {}), bool(close))
 
 
+def observation_budget(max_episode_tokens: int, max_turns: int) -> int:
+    """Tokens one tool output may take: the episode's budget shared over its turns (at least one)."""
+    return max(1, max_episode_tokens // max_turns)
+
+
 class ToolAgent:
     def __init__(self, tokenizer, *, max_turns: int = 4, max_total_tokens: int = 256, max_turn_tokens: int = 64,
                  max_observation_tokens: int = 64, sandbox_limits: SandboxLimits = SandboxLimits(wall_time_s=5),
@@ -76,7 +81,7 @@ class ToolAgent:
             require_bwrap()
         return cls(tokenizer, max_turns=cfg.max_turns, max_total_tokens=cfg.max_episode_tokens,
                    max_turn_tokens=cfg.max_new_tokens,
-                   max_observation_tokens=max(1, cfg.max_episode_tokens // cfg.max_turns),
+                   max_observation_tokens=observation_budget(cfg.max_episode_tokens, cfg.max_turns),
                    sandbox_limits=limits, context_length=context_length, **kwargs)
 
     def _special_id(self, token: str) -> int:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from rollout.agents.tool_loop import ToolAgent, ToolCall
+from rollout.agents.tool_loop import ToolAgent, ToolCall, observation_budget
 from rollout.engines.engine import Generator
 from rollout.rewards.code import NONCE_FILE, harness_script, new_sentinel, tests_ran_to_the_end
 from rollout.rewards.sandbox import SandboxLimits, SandboxResult, run_python
@@ -233,7 +233,7 @@ class CodeRepairEval(AgenticEval):
     def agent(self, tokenizer, workspace: dict[str, str]) -> RepoAgent:
         return RepoAgent(tokenizer, workspace, max_turns=self.max_turns, max_turn_tokens=self.max_turn_tokens,
                          max_total_tokens=self.max_episode_tokens,
-                         max_observation_tokens=max(1, self.max_episode_tokens // self.max_turns),
+                         max_observation_tokens=observation_budget(self.max_episode_tokens, self.max_turns),
                          sandbox_limits=self.sandbox_limits, context_length=self.context_length)
 
     async def score(self, task: RepairTask, files: dict[str, str]) -> EpisodeResult:

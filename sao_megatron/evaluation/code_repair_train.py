@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from rollout.agents.tool_loop import ToolAgent, append_observation
+from rollout.agents.tool_loop import ToolAgent, append_observation, observation_budget
 from rollout.rewards.sandbox import SandboxLimits
 from rollout.rewards.sandbox_bwrap import require_bwrap
 from sao_megatron.core.records import Sample, SampleStatus
@@ -34,7 +34,7 @@ class CodeRepairAgent:
             require_bwrap()
         return cls(tokenizer, limits, context_length, max_turns=cfg.max_turns, max_turn_tokens=cfg.max_new_tokens,
                    max_total_tokens=cfg.max_episode_tokens,
-                   max_observation_tokens=max(1, cfg.max_episode_tokens // cfg.max_turns))
+                   max_observation_tokens=observation_budget(cfg.max_episode_tokens, cfg.max_turns))
 
     async def rollout(self, sample: Sample, turn, tokenizer=None) -> None:
         meta = sample.metadata

@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from rollout.agents.tool_loop import ToolAgent
+from rollout.agents.tool_loop import ToolAgent, observation_budget
 from rollout.engines.engine import Generator
 from rollout.rewards.sandbox import SandboxLimits
 from sao_megatron.core.config.errors import ConfigError
@@ -91,7 +91,7 @@ class ToolTaskEval(AgenticEval):
                         prompt_ids=encode_prompt(tokenizer, problem.prompt, self.template))
         agent = ToolAgent(tokenizer, max_turns=self.max_turns, max_total_tokens=self.max_episode_tokens,
                           max_turn_tokens=self.max_turn_tokens,
-                          max_observation_tokens=max(1, self.max_episode_tokens // self.max_turns),
+                          max_observation_tokens=observation_budget(self.max_episode_tokens, self.max_turns),
                           sandbox_limits=self.sandbox_limits, context_length=self.context_length)
         await agent.rollout(sample, engine_turn(engine, seed, self.temperature, self.context_length))
         answer = sample.metadata.get("submitted", sample.response_text)
