@@ -51,7 +51,7 @@ def stability_section(r: dict, link) -> str:
            "train-rollout logprob gap over the last 10 steps is over 3x that of the first 10 (ratio divergence). "
            + _peak_gain_text(next(iter(res.values()))["runs"])
            + f" A run **learned** when its peak gain exceeds {threshold:.2f}. Grad-norm spikes: steps over 10x the "
-           "run's median. " + INTERVAL_NOTE]
+           "run's median. " + INTERVAL_NOTE, _arm_lr_text(r)]
     rows = []
     for algo, v in res.items():
         runs = v["runs"]
@@ -88,6 +88,17 @@ def stability_section(r: dict, link) -> str:
         out.append(f"The `--full` version (>= 10 seeds per arm, a setting where runs first learn, time to collapse "
                    f"with Kaplan-Meier curves and log-rank tests; bench/stability.py): {NOT_RUN}.")
     return "\n\n".join(x for x in out if x)
+
+
+def _arm_lr_text(r: dict) -> str:
+    """The arms that ran at an lr other than the setting's (stability.FULL_ARM_LR); '' when none did."""
+    base = next((x.split("=", 1)[1] for x in r.get("setting", []) if x.startswith("algorithm.lr=")), None)
+    moved = {a: lr for a, lr in r.get("arm_lr", {}).items() if lr != base}
+    if not moved:
+        return ""
+    return ("Every arm runs at the setting's lr except " + ", ".join(f"{a} at {lr}" for a, lr in moved.items())
+            + f": none of its pilot seeds learned at {base} (bench/stability.py, FULL_ARM_LR), so it runs where "
+            "it first learns. Its rows compare each arm at its own lr.")
 
 
 def _falls_without_learning(res: dict, threshold: float) -> str:

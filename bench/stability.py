@@ -47,6 +47,10 @@ SETTING = ["algorithm.lr=2e-3", "rollout.staleness_bound=8", "rollout.max_in_fli
 # --full: the demo's lr 3e-4 (every run learns there) with staleness up to 8, and twice the steps
 FULL_SETTING = ["algorithm.lr=3e-4", "rollout.staleness_bound=8", "rollout.max_in_flight=512",
                 "rollout.max_new_tokens=16", f"rollout.task='{TASK}'"]
+# --full, per arm: an arm none of whose pilot seeds (101, 102: disjoint from FULL_SEEDS) learns at FULL_SETTING's
+# lr runs at the highest of 1e-4 / 3e-5 where they do, so that every arm first learns (issue 30, point 4).
+# GSPO pilots (2026-12-05, 240 steps): at 1e-4 peak gain 0.12 and 0.125, both learned (at 3e-4 none of the 10 --full runs did).
+FULL_ARM_LR: dict[str, str] = {"gspo": "1e-4"}
 WINDOW = 10
 STEPS, WARMUP = 120, 10
 FULL_STEPS, FULL_SEEDS = 240, list(range(1, 11))
@@ -61,6 +65,14 @@ def select_arms(arms: list[str], known: list[str]) -> list[str]:
         raise ValueError(f"--arms {','.join(arms)}: " + (f"unknown arms {unknown}" if unknown else "sao is missing")
                          + f"; choose sao and any of {', '.join(known)}")
     return [a for a in known if a in arms]
+
+
+def arm_setting(algo: str, full: bool) -> list[str]:
+    """The setting `algo` runs in: SETTING, or with --full FULL_SETTING at the arm's FULL_ARM_LR if it has one."""
+    if not full:
+        return SETTING
+    lr = FULL_ARM_LR.get(algo)
+    return [f"algorithm.lr={lr}" if lr and x.startswith("algorithm.lr=") else x for x in FULL_SETTING]
 
 
 def _moving(values: list[float]) -> list[float]:
@@ -122,10 +134,12 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
         algos = select_arms(arms, algos)
     seeds = [1] if quick else (FULL_SEEDS if full else [1, 2, 3, 4, 5])
     setting = FULL_SETTING if full else SETTING
+    arm_lr = {algo: next(x.split("=", 1)[1] for x in arm_setting(algo, full) if x.startswith("algorithm.lr="))
+              for algo in algos}
     model = sft_start(out_dir, quick)
     work = out_dir / "runs_stability"
     specs = [(f"stability-{algo}-s{seed}", ARMS_FULL[algo] + budget_overrides(algo, steps, warmup) + from_sft(model)
-              + setting + [f"run.seed={seed}"]) for algo in algos for seed in seeds]
+              + arm_setting(algo, full) + [f"run.seed={seed}"]) for algo in algos for seed in seeds]
     failed: list[dict] = []
     reused: list[str] = []
     rows = run_all(specs, work, jobs=jobs, recipe=SFT_DEMO, timeout_s=6 * 3600, failures=failed, resume=resume,
@@ -148,7 +162,8 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
                  [x["collapse_step"] is not None for x in v["runs"]]) for a, v in results.items()}
     survival = {a: kaplan_meier(*t) for a, t in times.items()}
     tests = {f"sao-{a}": logrank(*times["sao"], *times[a]) for a in algos if a != "sao"}
-    plot_curves(curves, f"stability from the SFT start: accuracy ({setting[0]}, staleness <= 8, {len(seeds)} seeds)",
+    lr_text = setting[0] if len(set(arm_lr.values())) == 1 else "lr per arm"
+    plot_curves(curves, f"stability from the SFT start: accuracy ({lr_text}, staleness <= 8, {len(seeds)} seeds)",
                 out_dir / "stability.png", ylabel="accuracy")
     plot_survival(survival, out_dir / "stability_survival.png", "time to collapse (Kaplan-Meier)")
     lines = [f"{'algorithm':10s} {'collapsed':>9s} {'final acc [95% CI]':>24s} {'max drop':>9s} {'spikes':>7s}"]
@@ -156,7 +171,7 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
         f = r["final_acc"]
         lines.append(f"{algo:10s} {r['collapsed']:5d} of {len(seeds)} {f['mean']:8.3f} [{f['lo']:.3f}, {f['hi']:.3f}] "
                      f"{r['max_acc_drop']['mean']:9.3f} {r['grad_norm_spikes']['mean']:7.1f}")
-    return {"results": results, "comparisons": comparisons, "setting": setting, "survival": survival,
+    return {"results": results, "comparisons": comparisons, "setting": setting, "arm_lr": arm_lr, "survival": survival,
             "logrank": tests, "learned_threshold": LEARNED_THRESHOLD, "steps": steps, "warmup": warmup,
             "window": WINDOW, "start": sft_info(model), "failed_runs": failed, "reused_runs": reused,
             "summary": "\n".join(lines)}
