@@ -65,6 +65,7 @@ def stability_section(r: dict, link) -> str:
                      f"{max(x['staleness_max'] for x in runs):.0f}"])
     out.append(md_table(["algorithm", "learned", "peak gain (mean)", "collapsed", "how", "final accuracy",
                          "max drop from peak", "spikes per run", "staleness mean / max"], rows))
+    out.append(_every_arm_learned(res, threshold))
     if not any(peak_gain(x) > threshold for v in res.values() for x in v["runs"]):
         out.append(f"No run learned (peak gain above {threshold:.2f}) in this file: every collapse above is a fall "
                    "from the start, not 'learns, then collapses'; the setting is a floor, not a test of stability.")
@@ -97,8 +98,19 @@ def _arm_lr_text(r: dict) -> str:
     if not moved:
         return ""
     return ("Every arm runs at the setting's lr except " + ", ".join(f"{a} at {lr}" for a, lr in moved.items())
-            + f": none of its pilot seeds learned at {base} (bench/stability.py, FULL_ARM_LR), so it runs where "
-            "it first learns. Its rows compare each arm at its own lr.")
+            + f": it did not learn at {base} (bench/stability.py, FULL_ARM_LR), so it runs at the highest lower lr "
+            "where its pilot seeds learned. Its rows compare each arm at its own lr.")
+
+
+def _every_arm_learned(res: dict, threshold: float) -> str:
+    """Whether this is a setting where every arm first learns (most of its runs): then a collapse would be
+    'learns, then collapses'. '' when some arm learned in at most half its runs."""
+    shares = [(sum(peak_gain(x) > threshold for x in v["runs"]), len(v["runs"])) for v in res.values()]
+    if len(res) < 2 or any(k * 2 <= n for k, n in shares):
+        return ""
+    least = min(shares, key=lambda s: s[0] / s[1])
+    return (f"Every arm first learns in this setting: at least {least[0]} of {least[1]} runs of each arm passed "
+            "the learned threshold, so a collapse here would be 'learns, then collapses'.")
 
 
 def _falls_without_learning(res: dict, threshold: float) -> str:

@@ -19,16 +19,17 @@ learned. `collapse_step` = the first policy step at which the reward-collapse co
 running values (None: never), the time Kaplan-Meier curves and log-rank tests (bench/survival.py) read.
 
 `--full` uses 10 seeds per arm at the demo's own learning rate with the staleness pushed to 8, so that
-runs first learn and then may collapse; the seven arms take about 75 min on 2 CPU cores with jobs=2 (SAO and
-GRPO 2026-12-05 at 991b2e0, the other five arms the same day at 1d23603, read together with --resume:
-results/stability.json). Every run of SAO, GRPO, PPO, running_mean and sao_ppo_clip learned, GRPO+DIS 9
-of 10, GSPO none (peak gain 0.03). No run that learned collapsed in accuracy; one SAO, one GRPO+DIS and
-one GSPO run passed the ratio-divergence bound. Accuracy fell below half its peak in 7 GSPO runs (one still
-there at the end) and in the one GRPO+DIS run that did not learn: falls from the start, not "learns, then
-collapses" (the log-rank rows count them all the same; the report says which). So this setting tests
-learning under staleness; a claim that one method collapses less after learning cannot be tested here
-(the report says so). On scratch:4 (bench/algorithms.py) the lr moves runs from learning to falling at
-once (1e-4 learns, 2e-4 level or slow, 3e-4 falls), so it gives no learn-then-collapse setting either.
+runs first learn and then may collapse; an arm that learns nothing there runs at its own lr (FULL_ARM_LR).
+The seven arms take about 75 min on 2 CPU cores with jobs=2 (SAO and GRPO 2026-12-05 at 991b2e0, four
+more arms the same day at 1d23603, GSPO at 1e-4 at 07410d9, read together with --resume:
+results/stability.json). At 3e-4 GSPO learned in none of 10 runs (peak gain 0.03; 7 fell below half
+their peak from the start); at 1e-4 it learned in 9 of 10. So every arm first learns here: every run of
+SAO, GRPO, PPO, running_mean and sao_ppo_clip, 9 of 10 of GRPO+DIS and GSPO. No run that learned collapsed
+in accuracy; one SAO and one GRPO+DIS run passed the ratio-divergence bound, and the one GRPO+DIS run that
+did not learn fell from the start. So this setting tests learning under staleness: a claim that one method
+collapses less after learning finds no collapse to compare (log-rank p = 1 against GRPO; the report says
+so). On scratch:4 (bench/algorithms.py) the lr moves runs from learning to falling at once (1e-4 learns,
+2e-4 level or slow, 3e-4 falls), so it gives no learn-then-collapse setting either.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ from bench.training_runs import SFT_DEMO, plot_curves, run_all, series
 
 SETTING = ["algorithm.lr=2e-3", "rollout.staleness_bound=8", "rollout.max_in_flight=512",
            "rollout.max_new_tokens=16", f"rollout.task='{TASK}'"]
-# --full: the demo's lr 3e-4 (every run learns there) with staleness up to 8, and twice the steps
+# --full: the demo's lr 3e-4 (every arm but GSPO learns there) with staleness up to 8, and twice the steps
 FULL_SETTING = ["algorithm.lr=3e-4", "rollout.staleness_bound=8", "rollout.max_in_flight=512",
                 "rollout.max_new_tokens=16", f"rollout.task='{TASK}'"]
 # --full, per arm: an arm none of whose pilot seeds (101, 102: disjoint from FULL_SEEDS) learns at FULL_SETTING's

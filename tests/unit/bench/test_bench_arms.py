@@ -51,6 +51,6 @@ def test_the_stability_report_names_an_arm_run_at_its_own_lr():
 
     setting = ["algorithm.lr=3e-4", "rollout.staleness_bound=8"]
     said = _arm_lr_text({"setting": setting, "arm_lr": {"sao": "3e-4", "gspo": "1e-4"}})
-    assert "except gspo at 1e-4" in said and "sao" not in said and "learned at 3e-4" in said
+    assert "except gspo at 1e-4" in said and "sao" not in said and "did not learn at 3e-4" in said
     assert _arm_lr_text({"setting": setting, "arm_lr": {"sao": "3e-4"}}) == ""
     assert _arm_lr_text({"setting": setting}) == ""          # a file from before arm_lr

@@ -231,8 +231,10 @@ def test_the_stability_report_draws_survival_from_collapse_steps_and_says_when_a
     assert "| sao | never reached | 1.00 |" in text and "| grpo | 7 | 0.00 |" in text
     assert "| sao vs grpo | 0 (" in text and "5 of 5" in text
     assert "No run collapsed" not in text and "never learned" not in text
+    assert "Every arm first learns in this setting: at least 5 of 5 runs" in text
     unlearned = {a: dict(v, runs=[dict(x, peak_gain=0.05) for x in v["runs"]]) for a, v in result["results"].items()}
     assert "runs that never learned" in stability_section(dict(result, results=unlearned), lambda *a: "")
+    assert "Every arm first learns" not in stability_section(dict(result, results=unlearned), lambda *a: "")
     assert "grpo: 5 of its 5" in stability_section(dict(result, results=unlearned), lambda *a: "")
     calm = {a: dict(v, runs=[dict(x, collapsed=False) for x in v["runs"]]) for a, v in result["results"].items()}
     assert "No run collapsed in this file" in stability_section(dict(result, results=calm), lambda *a: "")
