@@ -150,6 +150,9 @@ class TrainBatch:
     # the model runs the rows back to back in one packed row (parallel.pack_sequences; parallel/packing.py
     # PackedLayout); fields stay right-padded rows here, results come back in this layout
     packed: bool = False
+    # which of the step's optimizer steps (algorithm.mini_batches) trains on this micro-batch: pack_samples
+    # splits the samples into that many groups before packing, so no micro-batch straddles two
+    mini_batch: int = 0
 
     @property
     def num_rows(self) -> int:

@@ -84,19 +84,33 @@ def plan_micro_batches(samples: list[Sample], token_budget: int, packed: bool = 
     return groups
 
 
+def mini_batch_ranges(num_samples: int, mini_batches: int) -> list[range]:
+    """The samples of each optimizer step of a rollout batch: `mini_batches` contiguous ranges whose sizes
+    differ by at most one (fewer when there are fewer samples)."""
+    parts = max(1, min(mini_batches, num_samples))
+    bounds = [num_samples * k // parts for k in range(parts + 1)]
+    return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
 def pack_samples(samples: list[Sample], token_budget: int, with_routes: bool = True,
-                 packed: bool = False) -> PackedSamples:
+                 packed: bool = False, mini_batches: int = 1) -> PackedSamples:
     """The step's micro-batches (advantages and returns still zero) and each sample's slot in them;
     every batch carries the step's action-token and sequence counts (the loss denominators).
     ``with_routes``: carry the engine's routes and DSA indexer choices (when every sample has them).
     ``packed`` (parallel.pack_sequences): the budget counts real tokens and the model runs each
-    micro-batch's rows back to back (TrainBatch.packed; the rows stay right-padded here)."""
+    micro-batch's rows back to back (TrainBatch.packed; the rows stay right-padded here).
+    ``mini_batches`` (algorithm.mini_batches): the samples are split first (mini_batch_ranges), each part
+    packed on its own and its micro-batches tagged TrainBatch.mini_batch, so a batch that fits one
+    micro-batch still gives that many optimizer steps."""
     batches, slots = [], [None] * len(samples)
-    for b, group in enumerate(plan_micro_batches(samples, token_budget, packed)):
-        batches.append(replace(_sequence_rows([samples[i] for i in group], with_routes), packed=packed))
-        for row, index in enumerate(group):
-            sample = samples[index]
-            slots[index] = Slot(b, row, len(sample.prompt_ids), len(sample.response_ids))
+    for part, indices in enumerate(mini_batch_ranges(len(samples), mini_batches)):
+        for group in plan_micro_batches([samples[i] for i in indices], token_budget, packed):
+            rows = [indices[j] for j in group]
+            for row, index in enumerate(rows):
+                sample = samples[index]
+                slots[index] = Slot(len(batches), row, len(sample.prompt_ids), len(sample.response_ids))
+            batches.append(replace(_sequence_rows([samples[i] for i in rows], with_routes), packed=packed,
+                                   mini_batch=part))
     return PackedSamples(with_counts(batches), slots)
 
 

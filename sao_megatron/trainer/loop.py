@@ -228,7 +228,7 @@ class Trainer:
         if self.parts.critic is not None or self.needs_reference():
             packed = await self.agreed("packing the batch", pack_samples, samples,
                                        self.recipe.parallel.micro_batch_tokens, True,
-                                       self.recipe.parallel.pack_sequences)
+                                       self.recipe.parallel.pack_sequences, self.recipe.algorithm.mini_batches)
         if self.parts.critic is not None:
             await self.make_resident("critic")
             with self.clock.phase("critic", passes=1):
@@ -263,7 +263,8 @@ class Trainer:
         """Advantages and returns into the packed batches (packing them first when no model pass did);
         the KL to the reference goes into the rewards or, as reference logprobs, into the batches."""
         packed = packed or pack_samples(samples, self.recipe.parallel.micro_batch_tokens,
-                                        packed=self.recipe.parallel.pack_sequences)
+                                        packed=self.recipe.parallel.pack_sequences,
+                                        mini_batches=self.recipe.algorithm.mini_batches)
         values = None if raw_values is None else gather_responses(packed, raw_values)
         inputs = advantage_batch(samples, values, self.state.baseline)
         kl_metrics = {}
@@ -300,7 +301,7 @@ class Trainer:
             batches = [replace(batch, old_logprobs=logp) for batch, (logp, _) in zip(batches, logps)]
         loss_fn = steps.policy_loss_fn(algo, norm_len=float(self.recipe.rollout.max_new_tokens))
         stats = {}
-        parts = _split(batches, algo.mini_batches)
+        parts = _split(batches)
         for part in parts:
             # each mini-batch is its own optimizer step: its loss normalises by its own token count
             with self.clock.phase("policy", passes=3 if part is parts[-1] else 0):   # 3 passes over the batch
@@ -359,8 +360,10 @@ def _my_share(batches: list[TrainBatch]) -> list[TrainBatch]:
     return shard_for_data_parallel(batches, *data_parallel_coords())
 
 
-def _split(batches: list[TrainBatch], parts: int) -> list[list[TrainBatch]]:
-    """Mini-batches: contiguous groups of micro-batches, one optimizer step each."""
-    parts = max(1, min(parts, len(batches)))
-    size = -(-len(batches) // parts)
-    return [batches[i:i + size] for i in range(0, len(batches), size)]
+def _split(batches: list[TrainBatch]) -> list[list[TrainBatch]]:
+    """Mini-batches, one optimizer step each: the micro-batches of each sample group pack_samples made
+    (TrainBatch.mini_batch), in order."""
+    parts: dict[int, list[TrainBatch]] = {}
+    for batch in batches:
+        parts.setdefault(batch.mini_batch, []).append(batch)
+    return [parts[k] for k in sorted(parts)]

@@ -73,6 +73,27 @@ def test_micro_batches_respect_token_budget_and_keep_every_sample():
     assert all(b.routed_experts is None for b in batches)
 
 
+@pytest.mark.parametrize("budget", [1000, 12])
+def test_mini_batches_split_the_samples_before_packing(budget):
+    """algorithm.mini_batches = 3 over 8 samples: groups of 2 / 3 / 3 samples in order, whether the batch
+    fits one micro-batch (budget 1000) or needs several (12); no micro-batch straddles two groups."""
+    from sao_megatron.trainer.batching import mini_batch_ranges
+
+    samples = [_sample(str(i), [1], [2] * (i % 3 + 2), routes=False) for i in range(8)]
+    assert mini_batch_ranges(8, 3) == [range(0, 2), range(2, 5), range(5, 8)]
+    assert mini_batch_ranges(2, 4) == [range(0, 1), range(1, 2)] and mini_batch_ranges(5, 1) == [range(0, 5)]
+    packed = pack_samples(samples, token_budget=budget, mini_batches=3)
+    parts = {}
+    for i, slot in enumerate(packed.slots):
+        batch = packed.batches[slot.batch]
+        assert batch.sample_uids[slot.row] == str(i)       # the slot points at the sample's own row
+        parts.setdefault(batch.mini_batch, set()).add(i)
+    assert parts == {0: {0, 1}, 1: {2, 3, 4}, 2: {5, 6, 7}}
+    assert len(packed.batches) == (3 if budget == 1000 else len(packed.batches)) and len(packed.batches) >= 3
+    assert all(b.global_num_tokens == sum(len(x.response_ids) for x in samples) for b in packed.batches)
+    assert {b.mini_batch for b in pack_samples(samples, token_budget=budget).batches} == {0}
+
+
 def test_data_parallel_shards_cover_every_row_once():
     from sao_megatron.trainer.batching import shard_for_data_parallel
 

@@ -134,3 +134,12 @@ def test_the_critic_runs_its_own_schedule_over_its_updates(tiny_model_dir, tmp_p
     assert [row["critic/lr"] for row in rows] == pytest.approx([0.002 + 0.008 * (1 - k / 6) for k in (2, 4, 6)])
     assert [row["train/lr"] for row in rows] == pytest.approx([0.01] * 3)   # the policy's stays constant
     assert state.lr_steps == {"critic": 6, "policy": 3}
+
+
+def test_each_mini_batch_is_its_own_optimizer_step_even_when_the_batch_fits_one_micro_batch(tiny_model_dir, tmp_path):
+    # GSPO's 4 mini-batches over a 4-sample batch that packs into one micro-batch: 4 optimizer steps a step
+    # (they were 1, with the ratio exactly 1: GSPO silently became one on-policy step)
+    rows, state = _run(tiny_model_dir, tmp_path, 2, "algorithm.name='gspo'", "rollout.n_samples_per_prompt=4")
+    assert state.lr_steps["policy"] == 2 * 4
+    assert all(row["train/ratio_max"] != 1.0 or row["train/ratio_min"] != 1.0 for row in rows)   # the last
+    # mini-batch sees a policy that three updates moved from the recomputed old logprobs
