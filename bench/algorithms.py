@@ -33,11 +33,13 @@ the demo recipe (recipes/tiny_sft_sao_cpu.toml) with only the algorithm changed.
   the last 25 steps, last held-out avg@4 in brackets): SAO, GRPO and GRPO+DIS, the arms run so far, learn
   at 3e-5 and 1e-4; SAO 1e-4 0.60 / 0.58 (0.60 / 0.54), GRPO 1e-4 0.56 / 0.58 (0.59 / 0.49), GRPO+DIS
   3e-5 0.47 / 0.47 (0.53 / 0.52). At 3e-4 SAO falls within 25 steps (0.26 -> 0.09, 0.28 -> 0.12) while
-  GRPO declines over all 200 (to 0.06 and 0.17). GSPO (the next 5 runs) learns at 3e-5 (0.50 / 0.48,
-  held-out 0.54 / 0.52) and 1e-4 (0.48 / 0.46) and falls at 3e-4 (0.07). At 2e-4 (one seed each, a
-  pilot for a stability setting where arms learn and then collapse, 2026-12-05) SAO stays level (0.32
-  -> 0.32) and GRPO rises slowly (0.38 -> 0.48, held-out 0.40 -> 0.47): on this task the lr moves a run
-  from learning to falling at once, with no learn-then-collapse in between.
+  GRPO declines over all 200 (to 0.06 and 0.17). GSPO's first 6 sweep runs are void: they ran before
+  17344e2, when a batch that packed into one micro-batch gave GSPO one optimizer step with its ratio
+  exactly 1 (no clipping) instead of its 4 mini-batches; they were set aside and GSPO's sweep reruns.
+  At 2e-4 (one seed each, a pilot for a stability setting where arms learn and then collapse,
+  2026-12-05) SAO stays level (0.32 -> 0.32) and GRPO rises slowly (0.38 -> 0.48, held-out 0.40 ->
+  0.47): on this task the lr moves a run from learning to falling at once, with no learn-then-collapse
+  in between.
 
   The agent task, one SAO pilot (seed 101, lr 1e-4, 30 policy steps from its recipe's 400-step SFT start,
   bf16 engine, 2026-12-05, sharing the CPU with the scratch sweep): training accuracy 0.49 / 0.46 / 0.47 /

@@ -86,7 +86,14 @@ class Recipe:
 
         par = self.parallel
         world = par.resolved_world_size()
-        ParallelDims.from_config(par, world).validate(world)  # the layout rules: core/dims.py
+        dims = ParallelDims.from_config(par, world)
+        dims.validate(world)  # the layout rules: core/dims.py
+        per_mini_batch = self.rollout.batch_size // self.algorithm.mini_batches
+        if per_mini_batch < dims.dp:   # every data-parallel rank trains on >= 1 sample of each mini-batch
+            raise ConfigError("algorithm.mini_batches", f"{self.algorithm.mini_batches} mini-batches of "
+                              f"rollout.batch_size {self.rollout.batch_size} leave {per_mini_batch} samples each for "
+                              f"{dims.dp} data-parallel ranks", f"use at most {max(1, self.rollout.batch_size // dims.dp)} "
+                              "mini-batches or raise rollout.batch_size")
         if par.cp > 1 and self.model.transformer_impl == "local":
             raise ConfigError("parallel.cp", f"{par.cp} needs Transformer Engine attention (Megatron-Core's local "
                               "attention asserts cp == 1)", "set model.transformer_impl = 'auto' or "

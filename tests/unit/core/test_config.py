@@ -92,6 +92,8 @@ BAD_RECIPES = [
     ("zero bucket", "[weight_sync]\nbucket_mb = 0.0\n", "weight_sync.bucket_mb", "<= 0"),
     ("keep none", "[checkpoint]\nkeep_last = 0\n", "checkpoint.keep_last", "keep at least 1"),
     ("removed key", "[rollout]\nupdate_mode = 'abort'\n", "rollout.update_mode", "set weight_sync.pause_mode"),
+    ("mini-batches vs dp", "[algorithm]\nmini_batches = 4\n[rollout]\nbatch_size = 8\n[parallel]\nworld_size = 4\n",
+     "algorithm.mini_batches", "use at most 2 mini-batches"),
 ]
 
 
