@@ -50,7 +50,8 @@ FULL_SETTING = ["algorithm.lr=3e-4", "rollout.staleness_bound=8", "rollout.max_i
                 "rollout.max_new_tokens=16", f"rollout.task='{TASK}'"]
 # --full, per arm: an arm none of whose pilot seeds (101, 102: disjoint from FULL_SEEDS) learns at FULL_SETTING's
 # lr runs at the highest of 1e-4 / 3e-5 where they do, so that every arm first learns (issue 30, point 4).
-# GSPO pilots (2026-12-05, 240 steps): at 1e-4 peak gain 0.12 and 0.125, both learned (at 3e-4 none of the 10 --full runs did).
+# GSPO pilots (2026-12-05 at 17344e2, 240 steps): at 3e-4 peak gain 0.002 and 0.017 (both fell below half
+# their peak), at 1e-4 0.205 and 0.222: both learned.
 FULL_ARM_LR: dict[str, str] = {"gspo": "1e-4"}
 WINDOW = 10
 STEPS, WARMUP = 120, 10
