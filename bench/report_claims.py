@@ -110,8 +110,9 @@ def _algorithm_rows(algos: Optional[dict]) -> list[dict]:
                 a, b = per_seed(algos, task, first), per_seed(algos, task, second)
                 if a is None or b is None:
                     missing = second if a is not None else first
-                    if missing not in algos.get("task_runs", {}).get(task, {}).get("arms", [missing]):
-                        continue          # the design does not run that arm on this task (FULL_DESIGN)
+                    arms = algos.get("task_runs", {}).get(task, {}).get("arms", [missing])
+                    if algos.get("full") and missing not in arms:
+                        continue          # the --full design does not run that arm on this task (FULL_DESIGN)
                     rows.append({"claim": claim, "figure": figure, "p": None, "direction": 0.0,
                                  "measured": f"`{missing}` is not in this file's `{task}` runs: the `--full` "
                                              "design runs it (bench/algorithms.py TASKS_FULL); not yet run at "

@@ -21,15 +21,17 @@ running values (None: never), the time Kaplan-Meier curves and log-rank tests (b
 `--full` uses 10 seeds per arm at the demo's own learning rate with the staleness pushed to 8, so that
 runs first learn and then may collapse; an arm that learns nothing there runs at its own lr (FULL_ARM_LR).
 The seven arms take about 75 min on 2 CPU cores with jobs=2 (SAO and GRPO 2026-12-05 at 991b2e0, four
-more arms the same day at 1d23603, GSPO at 1e-4 at 07410d9, read together with --resume:
-results/stability.json). At 3e-4 GSPO learned in none of 10 runs (peak gain 0.03; 7 fell below half
-their peak from the start); at 1e-4 it learned in 9 of 10. So every arm first learns here: every run of
-SAO, GRPO, PPO, running_mean and sao_ppo_clip, 9 of 10 of GRPO+DIS and GSPO. No run that learned collapsed
-in accuracy; one SAO and one GRPO+DIS run passed the ratio-divergence bound, and the one GRPO+DIS run that
-did not learn fell from the start. So this setting tests learning under staleness: a claim that one method
-collapses less after learning finds no collapse to compare (log-rank p = 1 against GRPO; the report says
-so). On scratch:4 (bench/algorithms.py) the lr moves runs from learning to falling at once (1e-4 learns,
-2e-4 level or slow, 3e-4 falls), so it gives no learn-then-collapse setting either.
+more arms the same day at 1d23603, GSPO at 1e-4 at ba592f2, read together with --resume:
+results/stability.json). GSPO runs from before 17344e2 are void: a batch that packed into one micro-batch
+gave GSPO one optimizer step with its ratio exactly 1 instead of its 4 mini-batches. With its mini-batches
+GSPO falls at 3e-4 (both pilots) and learns at 1e-4 (10 of 10 runs). So every arm first learns here:
+every run of SAO, GRPO, GSPO, PPO, running_mean and sao_ppo_clip, 9 of 10 of GRPO+DIS. No run that
+learned collapsed in accuracy; one SAO, one GRPO+DIS and one GSPO run passed the ratio-divergence bound,
+and the one GRPO+DIS run that did not learn fell from the start. So this setting tests learning under
+staleness: a claim that one method collapses less after learning finds no collapse to compare (log-rank
+p = 1 against GRPO; the report says so). On scratch:4 (bench/algorithms.py) the lr moves runs from
+learning to falling at once (1e-4 learns, 2e-4 level or slow, 3e-4 falls), so it gives no
+learn-then-collapse setting either.
 """
 from __future__ import annotations
 

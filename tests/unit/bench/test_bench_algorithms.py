@@ -107,7 +107,7 @@ def test_the_agent_task_runs_on_the_agent_recipe_from_its_own_sft_start(tmp_path
 
     text = algorithms_section(dict(result, full=True), lambda *a: "")
     assert "**`agent`** (100 policy steps; the design's arms on this task: sao, running_mean, sao_ppo_clip)" in text
-    rows = _algorithm_rows(result)          # the claims against arms the design does not run here are not rows
+    rows = _algorithm_rows(dict(result, full=True))   # claims against arms --full does not run here are not rows
     assert rows and not any("not yet run" in row["measured"] for row in rows)
 
 

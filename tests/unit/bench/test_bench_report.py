@@ -149,6 +149,10 @@ def test_each_claim_gets_the_verdict_its_holm_corrected_test_gives():
     assert "`sao_ppo_clip` is not in this file's `chain:1:1` runs" in untested[2]
     assert "not yet run at full size" in untested[2]
     assert untested[3:] == ["n/a", "n/a", "cannot tell"] and f"all {len(tested)} tested rows" in text
+    # the default design records its arms too: the ablations it leaves to --full stay rows that say so
+    default = dict(algos, task_runs={"chain:1:1": {"arms": ["sao", "grpo", "grpo_dis", "gspo", "ppo"]}})
+    kept = _claim_rows(claims_section({"algorithms": default}))
+    assert "not yet run at full size" in kept["SAO's critic beats a running-mean baseline (single rollout both)"][2]
     assert "secondary source" in rows["GRPO+DIS beats GRPO"][1] and "Provenance" in text
     assert claims_section({"stability": _stability(0, 5)}).count("| supports |") == 1   # alone: p = 0.008
     assert "| refutes |" in claims_section({"stability": _stability(5, 0)})
