@@ -93,7 +93,9 @@ def stability_section(r: dict, link) -> str:
 
 def _arm_lr_text(r: dict) -> str:
     """The arms that ran at an lr other than the setting's (stability.FULL_ARM_LR); '' when none did."""
-    base = next((x.split("=", 1)[1] for x in r.get("setting", []) if x.startswith("algorithm.lr=")), None)
+    from bench.stability import setting_lr
+
+    base = setting_lr(r.get("setting", []))
     moved = {a: lr for a, lr in r.get("arm_lr", {}).items() if lr != base}
     if not moved:
         return ""

@@ -71,6 +71,11 @@ def select_arms(arms: list[str], known: list[str]) -> list[str]:
     return [a for a in known if a in arms]
 
 
+def setting_lr(setting: list[str]) -> Optional[str]:
+    """The `algorithm.lr=` value of a list of overrides (None without one)."""
+    return next((x.split("=", 1)[1] for x in setting if x.startswith("algorithm.lr=")), None)
+
+
 def arm_setting(algo: str, full: bool) -> list[str]:
     """The setting `algo` runs in: SETTING, or with --full FULL_SETTING at the arm's FULL_ARM_LR if it has one."""
     if not full:
@@ -138,8 +143,7 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
         algos = select_arms(arms, algos)
     seeds = [1] if quick else (FULL_SEEDS if full else [1, 2, 3, 4, 5])
     setting = FULL_SETTING if full else SETTING
-    arm_lr = {algo: next(x.split("=", 1)[1] for x in arm_setting(algo, full) if x.startswith("algorithm.lr="))
-              for algo in algos}
+    arm_lr = {algo: setting_lr(arm_setting(algo, full)) for algo in algos}
     model = sft_start(out_dir, quick)
     work = out_dir / "runs_stability"
     specs = [(f"stability-{algo}-s{seed}", ARMS_FULL[algo] + budget_overrides(algo, steps, warmup) + from_sft(model)
