@@ -35,7 +35,10 @@ the demo recipe (recipes/tiny_sft_sao_cpu.toml) with only the algorithm changed.
   3e-5 0.47 / 0.47 (0.53 / 0.52). At 3e-4 SAO falls within 25 steps (0.26 -> 0.09, 0.28 -> 0.12) while
   GRPO declines over all 200 (to 0.06 and 0.17). GSPO's first 6 sweep runs are void: they ran before
   17344e2, when a batch that packed into one micro-batch gave GSPO one optimizer step with its ratio
-  exactly 1 (no clipping) instead of its 4 mini-batches; they were set aside and GSPO's sweep reruns.
+  exactly 1 (no clipping) instead of its 4 mini-batches; they were set aside. Rerun at 17344e2 (per 25
+  steps, first -> last full block; last held-out avg@4): GSPO learns at 3e-5 (0.36 -> 0.52, 0.38 -> 0.52;
+  held-out 0.58 / 0.57), drifts at 1e-4 (0.35 -> 0.24, 0.38 -> 0.40; 0.29 / 0.36) and falls at 3e-4
+  (to 0.03 / 0.07).
   At 2e-4 (one seed each, a pilot for a stability setting where arms learn and then collapse,
   2026-12-05) SAO stays level (0.32 -> 0.32) and GRPO rises slowly (0.38 -> 0.48, held-out 0.40 ->
   0.47): on this task the lr moves a run from learning to falling at once, with no learn-then-collapse
