@@ -52,6 +52,12 @@ the demo recipe (recipes/tiny_sft_sao_cpu.toml) with only the algorithm changed.
   running_mean and sao_ppo_clip only (the comparisons that isolate the critic and DIS; 48 runs) at 100
   policy steps (the pilot moved within 30). The critic's 2 updates a step are the recipe's and stay.
 
+Across machines: the full design outlasts a session's machine, and a new session may get a fresh
+one (the out dir of 2026-12-05, outside the checkout, was gone the next day with its 46 finished runs).
+So every --full run is also written to the run archive, results/archive/algorithms (bench/run_archive.py,
+about 40 KB a run, committed), and `sao bench algorithms --full --tasks scratch:4 --jobs 2 --resume`
+(then `--tasks agent`) carries on from it on any machine; docs/results.md counts what it holds.
+
 Equal samples: every arm generates the recipe's rollout.batch_size samples per step (single-rollout arms:
 batch_size prompts x 1; group arms: batch_size / 4 prompts x 4), and the critic's warm-up batches are
 given to the arms without a critic as extra steps. Per run: start (first batch, the SFT model), final
@@ -67,6 +73,7 @@ from pathlib import Path
 from typing import Optional
 
 from bench import REPO
+from bench.run_archive import ARCHIVE
 from bench.sft_start import TASK, from_sft, sft_info, sft_start
 from bench.stats import compare, mean_ci
 from bench.training_runs import SFT_DEMO, plot_curves, run_all, series
@@ -158,7 +165,8 @@ def choose_lr(per_lr: dict[float, list[float]]) -> float:
 
 
 def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False,
-        tasks: Optional[list[str]] = None, jobs: int = 1, resume: bool = False) -> dict:
+        tasks: Optional[list[str]] = None, jobs: int = 1, resume: bool = False,
+        archive: Optional[Path] = None) -> dict:
     """quick: scratch:4 with its held-out eval, SAO and running_mean, 1 seed of 2 steps from a 2-step SFT;
     default: chain:1:1, 5 arms x 5 seeds x 100 policy steps (about 20 min on 2 CPU cores with jobs=2);
     full: TASKS_FULL with FULL_DESIGN's arms and steps, lr sweep, 10 seeds, bf16 engine: scratch:4 7 arms x
@@ -168,8 +176,12 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
     `tasks` runs only those tasks (same sizes) and keeps the other tasks' rows of an existing
     out_dir/algorithms.json measured with the same steps and seeds. `resume` reads back the runs an
     earlier, interrupted invocation finished in out_dir with the same settings (training_runs.finished_run):
-    the full design spans several sessions of a 2-core machine."""
+    the full design spans several sessions of a 2-core machine, and a session's machine may be new, so
+    every full run is also kept in `archive` (default results/archive/algorithms, committed; see
+    bench/run_archive.py), from which `resume` reads it back on any machine."""
     explicit = tasks is not None
+    if full and not quick and archive is None:
+        archive = ARCHIVE / "algorithms"
     keep = {} if not explicit or quick else _previous(out_dir / "algorithms.json", full)
     tasks = tasks or (["scratch:4"] if quick else list(TASKS_FULL) if full else [TASK])
     unknown = [t for t in tasks if t not in TASKS + TASKS_FULL]
@@ -196,18 +208,18 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
 
         def specs_for(arm: str, run_seeds: list[int], lr: Optional[float], tag: str = "") -> list:
             lr_over = [f"algorithm.lr={lr:g}"] if lr is not None else []
-            return [(f"{_slug(task)}-{arm}{tag}-s{seed}", ARMS_FULL[arm] + budget_overrides(arm, steps, warmup)
+            return [(run_name(task, arm, seed, tag), ARMS_FULL[arm] + budget_overrides(arm, steps, warmup)
                      + base + lr_over + [f"run.seed={seed}"]) for seed in run_seeds]
 
         chosen = {arm: None for arm in arms}
         if grid:
             sweep_seeds = SWEEP_SEEDS
-            specs = [s for arm in arms for lr in grid for s in specs_for(arm, sweep_seeds, lr, f"-lr{lr:g}")]
+            specs = [s for arm in arms for lr in grid for s in specs_for(arm, sweep_seeds, lr, _lr_tag(lr))]
             rows = run_all(specs, work, jobs=jobs, recipe=setup["recipe"], failures=failed, resume=resume,
-                           reused=reused)
+                           reused=reused, archive=archive)
             for arm in arms:
                 score = "heldout_acc" if setup["eval"] else "final_acc"
-                per_lr = {lr: [run_metrics(rows[n])[score] for n, _ in specs_for(arm, sweep_seeds, lr, f"-lr{lr:g}")
+                per_lr = {lr: [run_metrics(rows[n])[score] for n, _ in specs_for(arm, sweep_seeds, lr, _lr_tag(lr))
                                if n in rows] for lr in grid}
                 per_lr = {lr: v for lr, v in per_lr.items() if v and all(x == x for x in v)}
                 if not per_lr:
@@ -217,7 +229,7 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
                                            "chosen": chosen[arm], "score": score, "seeds": sweep_seeds}
         specs = [s for arm in arms for s in specs_for(arm, seeds, chosen[arm])]
         rows = run_all(specs, work, jobs=jobs, recipe=setup["recipe"], failures=failed, walls=walls,
-                       resume=resume, reused=reused)
+                       resume=resume, reused=reused, archive=archive)
         per_arm = {}
         for arm in arms:
             names = [n for n, _ in specs_for(arm, seeds, chosen[arm]) if n in rows]
@@ -249,7 +261,8 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
     return {"table": table, "curves": curves, "comparisons": comparisons, "summary": _summary(table),
             "steps": design(TASK, quick, full)[1], "warmup": warmup, "seeds": seeds, "edge": EDGE, "task_runs": task_runs,
             "start": first, "samples_per_step": _batch_size(work / specs[0][0]), "failed_runs": failed,
-            "lr_sweep": sweeps, "engine_dtype": "bf16" if common else "fp32", "reused_runs": reused}
+            "lr_sweep": sweeps, "engine_dtype": "bf16" if common else "fp32", "reused_runs": reused,
+            "archive": _shown(archive)}
 
 
 def design(task: str, quick: bool, full: bool) -> tuple[list[str], int]:
@@ -261,6 +274,40 @@ def design(task: str, quick: bool, full: bool) -> tuple[list[str], int]:
         planned = FULL_DESIGN.get(task, {"arms": list(ARMS_FULL), "steps": FULL_STEPS})
         return list(planned["arms"]), planned["steps"]
     return list(ALGORITHMS), 100
+
+
+def run_name(task: str, arm: str, seed: int, tag: str = "") -> str:
+    """A training run's name (its directory and archive entry): task, arm, the sweep's lr tag, seed."""
+    return f"{_slug(task)}-{arm}{tag}-s{seed}"
+
+
+def _lr_tag(lr: float) -> str:
+    return f"-lr{lr:g}"
+
+
+def full_progress(archive: Optional[Path] = None) -> dict[str, dict[str, int]]:
+    """How far the full design is: per task, its planned runs (sweep and fresh seeds) and how many of
+    them the archive (default ARCHIVE/algorithms) holds at the current epoch (bench/run_archive.py)."""
+    from bench.run_archive import EPOCH, entry_path, read_entry
+
+    archive = archive or ARCHIVE / "algorithms"
+    progress = {}
+    for task in TASKS_FULL:
+        arms = design(task, quick=False, full=True)[0]
+        sweep = [run_name(task, a, s, _lr_tag(lr)) for a in arms for lr in LR_GRID for s in SWEEP_SEEDS]
+        fresh = [run_name(task, a, s) for a in arms for s in FULL_SEEDS]
+        held = {name for name in sweep + fresh if (e := read_entry(entry_path(archive, name))) and e["epoch"] == EPOCH}
+        progress[task] = {"sweep": len(sweep), "sweep_archived": len(held & set(sweep)),
+                          "fresh": len(fresh), "fresh_archived": len(held & set(fresh))}
+    return progress
+
+
+def _shown(path: Optional[Path]) -> Optional[str]:
+    """A path as the report names it: relative to the checkout when inside it."""
+    if path is None:
+        return None
+    path = Path(path).resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 def _slug(task: str) -> str:

@@ -105,7 +105,8 @@ def _preamble(results: dict, results_dir: Path, doc_path: Path) -> str:
              "below is read from those files; each section names the command that produced it, the machine "
              "and the wall time the file records. `--full` selects the paper-scale variants where a benchmark "
              "has one; `--resume` reads back the training runs an interrupted invocation finished in the same "
-             "out dir (the full designs span several sessions). Timings on a small CPU machine shared by trainer, engine and benchmark processes are "
+             "out dir or, for the full designs, which span several sessions and machines, in the run archive "
+             "`results/archive/` that the checkout keeps (bench/run_archive.py). Timings on a small CPU machine shared by trainer, engine and benchmark processes are "
              "noisy between runs; ratios are measured side by side in one run.", ""]
     lines += ["Machines recorded in these files:" if len(machines) > 1 else "Machine recorded in these files:"]
     lines += [f"- {m}" for m in machines] or ["- none (no results yet)"]

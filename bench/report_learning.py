@@ -105,8 +105,21 @@ def algorithms_section(r: dict, link) -> str:
         out.append(f"The `--full` version (>= 10 fresh seeds per arm: every arm on the long-horizon `scratch:4` "
                    f"task, SAO and both ablation arms on the multi-turn `agent` task, a learning-rate sweep per arm "
                    f"chosen on held-out prompts, a bf16 engine against the fp32 trainer; bench/algorithms.py "
-                   f"FULL_DESIGN): {NOT_RUN}.")
+                   f"FULL_DESIGN): {NOT_RUN}." + _progress_text())
     return "\n\n".join(x for x in out if x)
+
+
+def _progress_text() -> str:
+    """How many of the full design's runs the run archive holds (they are read back by `--resume`)."""
+    from bench import algorithms
+
+    progress = algorithms.full_progress()
+    if not any(v["sweep_archived"] + v["fresh_archived"] for v in progress.values()):
+        return ""
+    parts = [f"`{task}` {v['sweep_archived']} of {v['sweep']} sweep runs and {v['fresh_archived']} of {v['fresh']} "
+             f"fresh-seed runs" for task, v in progress.items()]
+    return (f" Its finished runs so far, kept in `{algorithms._shown(algorithms.ARCHIVE / 'algorithms')}` and read back "
+            f"by `sao bench algorithms --full --resume` on any machine: " + "; ".join(parts) + ".")
 
 
 def _pairs(r: dict, task: str) -> dict:
@@ -139,8 +152,10 @@ def failures_text(r: dict) -> str:
     """Which training runs failed (the error's first line) and whether their second try was kept, and how
     many were read back from an earlier invocation (`--resume`)."""
     reused = r.get("reused_runs") or []
+    where = (f"same out dir or the run archive `{r['archive']}` (bench/run_archive.py: kept in the checkout, so "
+             f"a design outlasts a machine)" if r.get("archive") else "same out dir")
     resumed = (f"{len(reused)} training run(s) were read back from an earlier, interrupted invocation in the "
-               f"same out dir (`--resume`: same settings, finished), their wall times as recorded then."
+               f"{where} (`--resume`: same settings and start weights, finished), their wall times as recorded then."
                if reused else "")
     return " ".join(x for x in (_failed_text(r), resumed) if x)
 

@@ -43,6 +43,7 @@ from bench.algorithms import ALGORITHMS, budget_overrides
 from bench.sft_start import TASK, from_sft, sft_info, sft_start
 from bench.stats import compare, mean_ci
 from bench.survival import kaplan_meier, logrank, plot_survival
+from bench.run_archive import ARCHIVE
 from bench.training_runs import SFT_DEMO, plot_curves, run_all, series
 
 SETTING = ["algorithm.lr=2e-3", "rollout.staleness_bound=8", "rollout.max_in_flight=512",
@@ -131,7 +132,7 @@ def collapse_signals(rows: list[dict]) -> dict:
 
 
 def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False, jobs: int = 1,
-        arms: Optional[list[str]] = None, resume: bool = False) -> dict:
+        arms: Optional[list[str]] = None, resume: bool = False, archive: Optional[Path] = None) -> dict:
     """quick: 3 steps of SAO from a 2-step SFT; default: 5 algorithms x 5 seeds x 120 policy steps
     in the setting above (about 25 min on 2 CPU cores with jobs=2); full: every arm x 10 seeds x 240 steps
     in FULL_SETTING (hours). `arms` (`--arms sao,grpo`) runs only those arms of the variant."""
@@ -150,8 +151,10 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
               + arm_setting(algo, full) + [f"run.seed={seed}"]) for algo in algos for seed in seeds]
     failed: list[dict] = []
     reused: list[str] = []
+    if full and not quick and archive is None:      # the full design outlasts a machine (bench/run_archive.py)
+        archive = ARCHIVE / "stability"
     rows = run_all(specs, work, jobs=jobs, recipe=SFT_DEMO, timeout_s=6 * 3600, failures=failed, resume=resume,
-                   reused=reused)
+                   reused=reused, archive=archive)
     results, curves = {}, {}
     for algo in algos:
         kept = [seed for seed in seeds if f"stability-{algo}-s{seed}" in rows]

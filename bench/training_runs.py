@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
-from bench import REPO
+from bench import REPO, run_archive
 
 TINY = REPO / "recipes" / "tiny_moe_cpu.toml"          # RL from random init
 SFT_DEMO = REPO / "recipes" / "tiny_sft_sao_cpu.toml"   # `make demo`: SFT, then SAO
@@ -30,7 +30,8 @@ def run_env() -> dict:
 
 def run_all(specs: list[tuple[str, list[str]]], out_root: Path, jobs: int = 1, recipe: Path = TINY,
             timeout_s: float = 3600.0, failures: Optional[list] = None,
-            walls: Optional[dict] = None, resume: bool = False, reused: Optional[list] = None) -> dict[str, list[dict]]:
+            walls: Optional[dict] = None, resume: bool = False, reused: Optional[list] = None,
+            archive: Optional[Path] = None) -> dict[str, list[dict]]:
     """`train_run` for each (name, overrides), `jobs` at a time; {name: rows} in the specs' order.
 
     The first run goes alone: it creates the base model the others share (out_root/model). A run
@@ -40,12 +41,14 @@ def run_all(specs: list[tuple[str, list[str]]], out_root: Path, jobs: int = 1, r
     `walls` receives each kept run's wall seconds (its successful attempt, the subprocess as a whole).
     `resume`: a run an earlier invocation finished in out_root with the same settings (`finished_run`)
     is read back instead of run again, its name appended to `reused`, its wall time the one recorded
-    then (NaN when that invocation did not record it)."""
+    then (NaN when that invocation did not record it). `archive` (bench/run_archive.py, the full designs):
+    every finished run is also written there, and `resume` reads back a matching entry from there when
+    out_root lacks the run, as on a new machine."""
     if not specs:
         return {}
 
     def attempt(name: str, overrides: list[str]):
-        if resume and (done := finished_run(name, overrides, out_root)) is not None:
+        if resume and (done := read_back(name, overrides, out_root, recipe, archive)) is not None:
             if reused is not None:
                 reused.append(name)
             if walls is not None:
@@ -59,6 +62,8 @@ def run_all(specs: list[tuple[str, list[str]]], out_root: Path, jobs: int = 1, r
                 wall = time.perf_counter() - started
                 if (run_dir := Path(out_root).resolve() / name).is_dir():
                     (run_dir / WALL_FILE).write_text(json.dumps({"wall_s": wall}))
+                    if archive is not None:
+                        run_archive.record(archive, name, run_dir, run_dir.parent / f"{name}.log", wall)
                 if walls is not None:
                     walls[name] = wall
                 return rows, errors
@@ -91,6 +96,30 @@ def _settings(name: str, out_root: Path, overrides: list[str]) -> list[str]:
 WALL_FILE = "bench_wall_s.json"   # a finished run's wall seconds, for a later --resume
 
 
+def read_back(name: str, overrides: list[str], out_root: Path, recipe: Path,
+              archive: Optional[Path]) -> Optional[tuple[list[dict], float]]:
+    """A finished run from out_root, else from the archive (then also None when it has no match). A run
+    found in out_root but not yet archived is archived on the way."""
+    done = finished_run(name, overrides, out_root)
+    if archive is None:
+        return done
+    if done is not None:
+        entry = run_archive.entry_path(archive, name)
+        if run_archive.read_entry(entry) is None:
+            run_dir = Path(out_root).resolve() / name
+            run_archive.record(archive, name, run_dir, run_dir.parent / f"{name}.log", done[1])
+        return done
+    return run_archive.lookup(archive, name, recipe, _settings(name, Path(out_root).resolve(), overrides))
+
+
+def is_finished(log: Path, run_dir: Path) -> bool:
+    """A run whose log ends with `sao train`'s closing "done:" line and whose metrics and recipe exist."""
+    if not (log.is_file() and (run_dir / "metrics.jsonl").is_file() and (run_dir / "resolved_recipe.toml").is_file()):
+        return False
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return bool(lines) and lines[-1].startswith("done: ")
+
+
 def finished_run(name: str, overrides: list[str], out_root: Path) -> Optional[tuple[list[dict], float]]:
     """(rows, wall seconds) of run `name` when an earlier invocation finished it in `out_root` with these
     overrides: its log ends with `sao train`'s closing "done:" line and its resolved recipe holds the
@@ -99,10 +128,7 @@ def finished_run(name: str, overrides: list[str], out_root: Path) -> Optional[tu
 
     out_root = Path(out_root).resolve()
     log, run_dir = out_root / f"{name}.log", out_root / name
-    if not (log.is_file() and (run_dir / "metrics.jsonl").is_file() and (run_dir / "resolved_recipe.toml").is_file()):
-        return None
-    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    if not lines or not lines[-1].startswith("done: "):
+    if not is_finished(log, run_dir):
         return None
     resolved = tomllib.loads((run_dir / "resolved_recipe.toml").read_text())
     wanted = {}

@@ -33,7 +33,8 @@ def register(sub) -> None:
                              "their learning metrics do not depend on it, their wall times do")
     parser.add_argument("--resume", action="store_true",
                         help="learning benchmarks: read back the training runs an earlier, interrupted invocation "
-                             "finished in --out-dir with the same settings instead of running them again")
+                             "finished in --out-dir (with --full: or in the run archive results/archive/, on any "
+                             "machine) with the same settings instead of running them again")
     parser.add_argument("--out-dir", default=None,
                         help="where NAME.json (and NAME.png) go (default ./results, or ./runs/bench-quick with "
                              "--quick, under the current directory)")

@@ -16,7 +16,8 @@ def fake_runs(monkeypatch, tmp_path):
     calls = {}
 
     def run_all(specs, out_root, jobs=1, recipe=None, timeout_s=0, failures=None, walls=None, resume=False,
-                reused=None):
+                reused=None, archive=None):
+        run_all.archives.append(archive)
         rows = {}
         for name, overrides in specs:
             calls[name] = overrides
@@ -35,6 +36,7 @@ def fake_runs(monkeypatch, tmp_path):
                            **(heldout if s == steps else {})} for s in range(1, steps + 1)]
         return rows
 
+    run_all.archives = []
     monkeypatch.setattr(algorithms, "run_all", run_all)
     monkeypatch.setattr(algorithms, "sft_start", lambda out_dir, quick=False, **kw: tmp_path / "sft_model")
     monkeypatch.setattr(algorithms, "plot_curves", lambda *a, **k: None)
@@ -44,6 +46,7 @@ def fake_runs(monkeypatch, tmp_path):
 def test_every_run_starts_from_the_sft_model_with_an_equal_sample_budget(tmp_path, fake_runs):
     result = algorithms.run(out_dir=tmp_path)
     fake_runs.pop("_recipes")
+    assert algorithms.run_all.archives == [None] and result["archive"] is None      # the default design: none
     assert len(fake_runs) == 5 * 5                                    # 5 algorithms x 5 seeds
     assert all(f"model.path='{tmp_path / 'sft_model'}'" in o and "sft.steps=0" in o for o in fake_runs.values())
     samples = {row["samples_per_run"][0] for key, row in result["table"].items() if "samples_per_run" in row}
@@ -73,6 +76,8 @@ def test_the_full_design_sweeps_the_lr_on_held_out_prompts_then_runs_fresh_seeds
     assert all("eval.datasets=['task:scratch:4:eval']" in o for o in fake_runs.values())
     assert all(r == algorithms.SFT_DEMO for r in recipes.values())
     assert result["lr_sweep"]["scratch:4/sao"]["chosen"] == 1e-4 and result["engine_dtype"] == "bf16"
+    from bench.run_archive import ARCHIVE                # full runs are kept in the committed archive
+    assert algorithms.run_all.archives == [ARCHIVE / "algorithms"] * 2 and result["archive"] == "results/archive/algorithms"
     assert result["table"]["scratch:4/sao_ppo_clip"]["per_seed"]["heldout_acc"] == [0.5] * 10
     ppo_clip = fake_runs["scratch_4-sao_ppo_clip-s1"]
     assert "algorithm.loss='ppo'" in ppo_clip and "critic.warmup_steps=10" in ppo_clip     # same critic as SAO
@@ -254,3 +259,5 @@ def test_the_report_says_how_many_runs_were_read_back():
     assert failures_text({"failed_runs": [], "reused_runs": []}) == ""
     text = failures_text({"failed_runs": [], "reused_runs": ["a", "b"]})
     assert text.startswith("2 training run(s) were read back from an earlier, interrupted invocation")
+    text = failures_text({"failed_runs": [], "reused_runs": ["a"], "archive": "results/archive/algorithms"})
+    assert "the run archive `results/archive/algorithms`" in text
