@@ -73,7 +73,7 @@ from pathlib import Path
 from typing import Optional
 
 from bench import REPO
-from bench.run_archive import ARCHIVE
+from bench.run_archive import ARCHIVE, keep_start, restore_start
 from bench.sft_start import TASK, from_sft, sft_info, sft_start
 from bench.stats import compare, mean_ci
 from bench.training_runs import SFT_DEMO, plot_curves, run_all, series
@@ -201,8 +201,12 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
     for task in tasks:
         started, setup = time.perf_counter(), task_setup(task, quick)
         arms, steps = design(task, quick, full)
+        if archive is not None:
+            restore_start(archive, setup["start"], out_dir)
         model = sft_start(out_dir, quick, recipe=setup["recipe"], overrides=tuple(setup["sft"]), name=setup["start"],
                           steps=setup.get("sft_steps"))
+        if archive is not None:
+            keep_start(archive, model, setup["start"])
         base = from_sft(model) + setup["rl"] + common
         work, walls = out_dir / "runs_algorithms", {}
 

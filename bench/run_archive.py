@@ -18,6 +18,8 @@ An entry is read back only when
   - the weights it would start from have the entry's sha256. The SFT start is bit-reproducible on
     this kind of machine (seeded, one OpenMP thread: two 400-step scratch:4 starts made on
     2026-12-06 have one digest), so a new machine's start matches and its runs are read back.
+The start itself is archived too (ARCHIVE/<bench>/starts/<name>, 2 MB): a machine whose floating point
+differs from this one would make another start, so restore_start puts the archived one in place first.
 A damaged entry (not gzip, not JSON, fields missing) is named in one line and treated as missing:
 the run is run again and its entry written anew.
 """
@@ -138,6 +140,37 @@ def import_finished(out_root: Path, archive: Path) -> list[str]:
         record(archive, run_dir.name, run_dir, log, wall)
         written.append(run_dir.name)
     return written
+
+
+def restore_start(archive: Path, name: str, out_dir: Path) -> None:
+    """Before a design makes its SFT start OUT_DIR/NAME/model: put the archived one there when the out dir
+    has none, so a machine whose floating point differs still starts from the weights the archived runs
+    did (bench/sft_start.py then reuses it by its marker)."""
+    kept, model = Path(archive) / "starts" / name, Path(out_dir).resolve() / name / "model"
+    if (kept / "sao_sft.json").is_file() and not (model / "sao_sft.json").is_file():
+        import shutil
+
+        shutil.copytree(kept, model, dirs_exist_ok=True)
+
+
+def keep_start(archive: Path, model: Path, name: str) -> None:
+    """After the start is made: archive it unless the archive holds one of the same SFT steps. One of the
+    same steps with other weights stays (the archived runs started from it), and the out dir's is named."""
+    import shutil
+
+    kept = Path(archive) / "starts" / name
+    if (kept / "sao_sft.json").is_file() and _sft_steps(kept) == _sft_steps(model):
+        if weights_sha256(kept) != weights_sha256(model):
+            print(f"run archive: the start {model} differs from the archived {kept}: runs from the archive are "
+                  f"not read back with it; remove {model.parent} to start from the archived one", file=sys.stderr)
+        return
+    if kept.exists():
+        shutil.rmtree(kept)
+    shutil.copytree(model, kept)
+
+
+def _sft_steps(model: Path):
+    return json.loads((Path(model) / "sao_sft.json").read_text()).get("sft", {}).get("steps")
 
 
 def _without_paths(resolved: dict) -> dict:

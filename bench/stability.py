@@ -43,7 +43,7 @@ from bench.algorithms import ALGORITHMS, budget_overrides
 from bench.sft_start import TASK, from_sft, sft_info, sft_start
 from bench.stats import compare, mean_ci
 from bench.survival import kaplan_meier, logrank, plot_survival
-from bench.run_archive import ARCHIVE
+from bench.run_archive import ARCHIVE, keep_start, restore_start
 from bench.training_runs import SFT_DEMO, plot_curves, run_all, series
 
 SETTING = ["algorithm.lr=2e-3", "rollout.staleness_bound=8", "rollout.max_in_flight=512",
@@ -145,14 +145,18 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
     seeds = [1] if quick else (FULL_SEEDS if full else [1, 2, 3, 4, 5])
     setting = FULL_SETTING if full else SETTING
     arm_lr = {algo: setting_lr(arm_setting(algo, full)) for algo in algos}
+    if full and not quick and archive is None:      # the full design outlasts a machine (bench/run_archive.py)
+        archive = ARCHIVE / "stability"
+    if archive is not None:
+        restore_start(archive, "sft_start", out_dir)
     model = sft_start(out_dir, quick)
+    if archive is not None:
+        keep_start(archive, model, "sft_start")
     work = out_dir / "runs_stability"
     specs = [(f"stability-{algo}-s{seed}", ARMS_FULL[algo] + budget_overrides(algo, steps, warmup) + from_sft(model)
               + arm_setting(algo, full) + [f"run.seed={seed}"]) for algo in algos for seed in seeds]
     failed: list[dict] = []
     reused: list[str] = []
-    if full and not quick and archive is None:      # the full design outlasts a machine (bench/run_archive.py)
-        archive = ARCHIVE / "stability"
     rows = run_all(specs, work, jobs=jobs, recipe=SFT_DEMO, timeout_s=6 * 3600, failures=failed, resume=resume,
                    reused=reused, archive=archive)
     results, curves = {}, {}

@@ -38,6 +38,10 @@ def fake_runs(monkeypatch, tmp_path):
 
     run_all.archives = []
     monkeypatch.setattr(algorithms, "run_all", run_all)
+    monkeypatch.setattr(algorithms, "ARCHIVE", tmp_path / "archive")        # never the checkout's archive
+    run_all.starts = []
+    monkeypatch.setattr(algorithms, "restore_start", lambda archive, name, out: run_all.starts.append(("restore", name)))
+    monkeypatch.setattr(algorithms, "keep_start", lambda archive, model, name: run_all.starts.append(("keep", name)))
     monkeypatch.setattr(algorithms, "sft_start", lambda out_dir, quick=False, **kw: tmp_path / "sft_model")
     monkeypatch.setattr(algorithms, "plot_curves", lambda *a, **k: None)
     return calls
@@ -47,6 +51,7 @@ def test_every_run_starts_from_the_sft_model_with_an_equal_sample_budget(tmp_pat
     result = algorithms.run(out_dir=tmp_path)
     fake_runs.pop("_recipes")
     assert algorithms.run_all.archives == [None] and result["archive"] is None      # the default design: none
+    assert algorithms.run_all.starts == []
     assert len(fake_runs) == 5 * 5                                    # 5 algorithms x 5 seeds
     assert all(f"model.path='{tmp_path / 'sft_model'}'" in o and "sft.steps=0" in o for o in fake_runs.values())
     samples = {row["samples_per_run"][0] for key, row in result["table"].items() if "samples_per_run" in row}
@@ -76,8 +81,8 @@ def test_the_full_design_sweeps_the_lr_on_held_out_prompts_then_runs_fresh_seeds
     assert all("eval.datasets=['task:scratch:4:eval']" in o for o in fake_runs.values())
     assert all(r == algorithms.SFT_DEMO for r in recipes.values())
     assert result["lr_sweep"]["scratch:4/sao"]["chosen"] == 1e-4 and result["engine_dtype"] == "bf16"
-    from bench.run_archive import ARCHIVE                # full runs are kept in the committed archive
-    assert algorithms.run_all.archives == [ARCHIVE / "algorithms"] * 2 and result["archive"] == "results/archive/algorithms"
+    assert algorithms.run_all.archives == [tmp_path / "archive" / "algorithms"] * 2     # full runs are archived
+    assert algorithms.run_all.starts == [("restore", "sft_start_scratch_4"), ("keep", "sft_start_scratch_4")]
     assert result["table"]["scratch:4/sao_ppo_clip"]["per_seed"]["heldout_acc"] == [0.5] * 10
     ppo_clip = fake_runs["scratch_4-sao_ppo_clip-s1"]
     assert "algorithm.loss='ppo'" in ppo_clip and "critic.warmup_steps=10" in ppo_clip     # same critic as SAO

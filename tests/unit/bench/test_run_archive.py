@@ -144,3 +144,32 @@ def test_the_report_counts_the_full_designs_archived_runs(tmp_path, start, monke
     assert progress["scratch:4"] == {"sweep": 42, "sweep_archived": 1, "fresh": 70, "fresh_archived": 1}
     assert progress["agent"] == {"sweep": 18, "sweep_archived": 0, "fresh": 30, "fresh_archived": 0}
     assert "`scratch:4` 1 of 42 sweep runs and 1 of 70 fresh-seed runs" in _progress_text()
+
+
+def sft_model(root, steps=400, weights=b"sft weights"):
+    model = root / "model"
+    model.mkdir(parents=True)
+    (model / "model-00001-of-00001.safetensors").write_bytes(weights)
+    (model / "config.json").write_text("{}")
+    (model / "sao_sft.json").write_text(json.dumps({"sft": {"steps": steps}}))
+    return model
+
+
+def test_the_start_is_archived_once_and_restored_where_an_out_dir_has_none(tmp_path, capsys):
+    archive = tmp_path / "archive"
+    made = sft_model(tmp_path / "machine_a" / "sft_start_scratch_4")
+    run_archive.keep_start(archive, made, "sft_start_scratch_4")
+    kept = archive / "starts" / "sft_start_scratch_4"
+    assert run_archive.weights_sha256(kept) == run_archive.weights_sha256(made)
+    run_archive.restore_start(archive, "sft_start_scratch_4", tmp_path / "machine_b")      # a fresh machine
+    restored = tmp_path / "machine_b" / "sft_start_scratch_4" / "model"
+    assert run_archive.weights_sha256(restored) == run_archive.weights_sha256(kept)
+    other = sft_model(tmp_path / "machine_c" / "sft_start_scratch_4", weights=b"other floating point")
+    run_archive.keep_start(archive, other, "sft_start_scratch_4")       # the archived start stays, the other is named
+    assert run_archive.weights_sha256(kept) == run_archive.weights_sha256(made)
+    assert f"the start {other} differs from the archived" in capsys.readouterr().err
+    run_archive.restore_start(archive, "sft_start_scratch_4", tmp_path / "machine_c")   # an out dir's own is kept
+    assert run_archive.weights_sha256(other) != run_archive.weights_sha256(kept)
+    longer = sft_model(tmp_path / "machine_d" / "sft_start_scratch_4", steps=600)
+    run_archive.keep_start(archive, longer, "sft_start_scratch_4")      # the design's SFT changed: replaced
+    assert run_archive.weights_sha256(kept) == run_archive.weights_sha256(longer)
