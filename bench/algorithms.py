@@ -300,10 +300,28 @@ def full_progress(archive: Optional[Path] = None) -> dict[str, dict[str, int]]:
         arms = design(task, quick=False, full=True)[0]
         sweep = [run_name(task, a, s, _lr_tag(lr)) for a in arms for lr in LR_GRID for s in SWEEP_SEEDS]
         fresh = [run_name(task, a, s) for a in arms for s in FULL_SEEDS]
-        held = {name for name in sweep + fresh if (e := read_entry(entry_path(archive, name))) and e["epoch"] == EPOCH}
-        progress[task] = {"sweep": len(sweep), "sweep_archived": len(held & set(sweep)),
-                          "fresh": len(fresh), "fresh_archived": len(held & set(fresh))}
+        entries = {name: e for name in sweep + fresh if (e := read_entry(entry_path(archive, name))) and e["epoch"] == EPOCH}
+        progress[task] = {"sweep": len(sweep), "sweep_archived": len(set(entries) & set(sweep)),
+                          "fresh": len(fresh), "fresh_archived": len(set(entries) & set(fresh)),
+                          "sweeps_done": _archived_sweeps(task, arms, entries)}
     return progress
+
+
+def _archived_sweeps(task: str, arms: list[str], entries: dict) -> dict:
+    """Per arm whose sweep the archive holds whole: mean held-out accuracy per lr and the lr choose_lr
+    picks from them, as the design will (the runs are read back, so the choice is the same)."""
+    done = {}
+    for arm in arms:
+        names = {lr: [run_name(task, arm, s, _lr_tag(lr)) for s in SWEEP_SEEDS] for lr in LR_GRID}
+        if not all(n in entries for group in names.values() for n in group):
+            continue
+        per_lr = {lr: [heldout_accuracy([r for r in entries[n]["rows"] if r.get("step", 0) > 0]) for n in group]
+                  for lr, group in names.items()}
+        per_lr = {lr: v for lr, v in per_lr.items() if all(x == x for x in v)}
+        if per_lr:
+            done[arm] = {"heldout": {f"{lr:g}": statistics.fmean(v) for lr, v in per_lr.items()},
+                         "chosen": choose_lr(per_lr)}
+    return done
 
 
 def _shown(path: Optional[Path]) -> Optional[str]:

@@ -118,8 +118,13 @@ def _progress_text() -> str:
         return ""
     parts = [f"`{task}` {v['sweep_archived']} of {v['sweep']} sweep runs and {v['fresh_archived']} of {v['fresh']} "
              f"fresh-seed runs" for task, v in progress.items()]
+    sweeps = [f"`{task}` {arm}: " + ", ".join(f"{lr} -> {acc:.3f}" for lr, acc in v["heldout"].items())
+              + f" (chosen {v['chosen']:g})" for task, p in progress.items() for arm, v in p["sweeps_done"].items()]
     return (f" Its finished runs so far, kept in `{algorithms._shown(algorithms.ARCHIVE / 'algorithms')}` and read back "
-            f"by `sao bench algorithms --full --resume` on any machine: " + "; ".join(parts) + ".")
+            f"by `sao bench algorithms --full --resume` on any machine: " + "; ".join(parts) + "."
+            + (f" Learning-rate sweeps complete so far (mean held-out avg@{algorithms.EVAL_K} of the last evaluation "
+               f"over sweep seeds {', '.join(map(str, algorithms.SWEEP_SEEDS))}, computed from the archive; no claim "
+               f"rests on them): " + "; ".join(sweeps) + "." if sweeps else ""))
 
 
 def _pairs(r: dict, task: str) -> dict:

@@ -126,14 +126,15 @@ def resolve(recipe: Path, settings: list[str]) -> dict:
 
 
 def import_finished(out_root: Path, archive: Path) -> list[str]:
-    """Archive every run an out dir holds finished (its log closing with "done:"); the names written.
-    For runs a bench started before it archived (or with an archive elsewhere)."""
+    """Archive every run an out dir holds finished (its log closing with "done:") and the archive lacks at
+    this epoch; the names written. For runs a bench started before it archived (or with an archive elsewhere)."""
     from bench.training_runs import WALL_FILE, is_finished
 
     written = []
     for log in sorted(Path(out_root).glob("*.log")):
         run_dir = log.parent / log.name[:-len(".log")]
-        if not is_finished(log, run_dir):
+        held = read_entry(entry_path(archive, run_dir.name))
+        if not is_finished(log, run_dir) or (held is not None and held["epoch"] == EPOCH):
             continue
         wall_file = run_dir / WALL_FILE
         wall = json.loads(wall_file.read_text())["wall_s"] if wall_file.is_file() else float("nan")

@@ -104,8 +104,8 @@ def read_back(name: str, overrides: list[str], out_root: Path, recipe: Path,
     if archive is None:
         return done
     if done is not None:
-        entry = run_archive.entry_path(archive, name)
-        if run_archive.read_entry(entry) is None:
+        held = run_archive.read_entry(run_archive.entry_path(archive, name))
+        if held is None or held["epoch"] != run_archive.EPOCH:
             run_dir = Path(out_root).resolve() / name
             run_archive.record(archive, name, run_dir, run_dir.parent / f"{name}.log", done[1])
         return done

@@ -126,6 +126,9 @@ def test_import_finished_takes_finished_runs_only_and_keeps_names_with_dots(tmp_
     assert run_archive.main([str(out), str(tmp_path / "archive")]) == 0
     assert [p.name for p in (tmp_path / "archive").iterdir()] == ["scratch_4-grpo-lr0.0001-s101.json.gz"]
     assert "archived 1 finished run(s)" in capsys.readouterr().out
+    entry = tmp_path / "archive" / "scratch_4-grpo-lr0.0001-s101.json.gz"
+    before = entry.read_bytes()
+    assert run_archive.import_finished(out, tmp_path / "archive") == [] and entry.read_bytes() == before   # kept as is
     assert run_archive.main([]) == 2
 
 
@@ -141,9 +144,23 @@ def test_the_report_counts_the_full_designs_archived_runs(tmp_path, start, monke
         run_archive.record(tmp_path / "archive" / "algorithms", name, tmp_path / "out" / name,
                            tmp_path / "out" / f"{name}.log", 1.0, commit="x")
     progress = algorithms.full_progress()
-    assert progress["scratch:4"] == {"sweep": 42, "sweep_archived": 1, "fresh": 70, "fresh_archived": 1}
-    assert progress["agent"] == {"sweep": 18, "sweep_archived": 0, "fresh": 30, "fresh_archived": 0}
+    assert progress["scratch:4"] == {"sweep": 42, "sweep_archived": 1, "fresh": 70, "fresh_archived": 1,
+                                     "sweeps_done": {}}
+    assert progress["agent"] == {"sweep": 18, "sweep_archived": 0, "fresh": 30, "fresh_archived": 0, "sweeps_done": {}}
     assert "`scratch:4` 1 of 42 sweep runs and 1 of 70 fresh-seed runs" in _progress_text()
+    assert "sweeps complete so far" not in _progress_text()
+    key = f"eval/task:scratch:4:eval/avg@{algorithms.EVAL_K}"
+    for lr, score in zip(algorithms.LR_GRID, (0.5, 0.6, 0.1)):       # GRPO's whole sweep, best at the middle lr
+        for seed in algorithms.SWEEP_SEEDS:
+            entry = {"name": "x", "epoch": run_archive.EPOCH, "resolved": {}, "start_sha256": "", "wall_s": 1.0,
+                     "rows": [{"step": 0}, {"step": 1, key: 0.0}, {"step": 2, key: score + (0.01 if seed == 101 else 0.03)}]}
+            path = run_archive.entry_path(tmp_path / "archive" / "algorithms",
+                                          algorithms.run_name("scratch:4", "grpo", seed, algorithms._lr_tag(lr)))
+            path.write_bytes(gzip.compress(json.dumps(entry).encode()))
+    done = algorithms.full_progress()["scratch:4"]["sweeps_done"]
+    assert list(done) == ["grpo"] and done["grpo"]["chosen"] == 1e-4
+    assert done["grpo"]["heldout"] == pytest.approx({"3e-05": 0.52, "0.0001": 0.62, "0.0003": 0.12})
+    assert "`scratch:4` grpo: 3e-05 -> 0.520, 0.0001 -> 0.620, 0.0003 -> 0.120 (chosen 0.0001)" in _progress_text()
 
 
 def sft_model(root, steps=400, weights=b"sft weights"):
