@@ -289,6 +289,13 @@ def _lr_tag(lr: float) -> str:
     return f"-lr{lr:g}"
 
 
+def planned_runs(task: str) -> tuple[list[str], list[str]]:
+    """The names of the full design's runs on a task: its lr sweep's, then its fresh seeds'."""
+    arms = design(task, quick=False, full=True)[0]
+    return ([run_name(task, a, s, _lr_tag(lr)) for a in arms for lr in LR_GRID for s in SWEEP_SEEDS],
+            [run_name(task, a, s) for a in arms for s in FULL_SEEDS])
+
+
 def full_progress(archive: Optional[Path] = None) -> dict[str, dict[str, int]]:
     """How far the full design is: per task, its planned runs (sweep and fresh seeds) and how many of
     them the archive (default ARCHIVE/algorithms) holds at the current epoch (bench/run_archive.py)."""
@@ -298,8 +305,7 @@ def full_progress(archive: Optional[Path] = None) -> dict[str, dict[str, int]]:
     progress = {}
     for task in TASKS_FULL:
         arms = design(task, quick=False, full=True)[0]
-        sweep = [run_name(task, a, s, _lr_tag(lr)) for a in arms for lr in LR_GRID for s in SWEEP_SEEDS]
-        fresh = [run_name(task, a, s) for a in arms for s in FULL_SEEDS]
+        sweep, fresh = planned_runs(task)
         entries = {name: e for name in sweep + fresh if (e := read_entry(entry_path(archive, name))) and e["epoch"] == EPOCH}
         progress[task] = {"sweep": len(sweep), "sweep_archived": len(set(entries) & set(sweep)),
                           "fresh": len(fresh), "fresh_archived": len(set(entries) & set(fresh)),

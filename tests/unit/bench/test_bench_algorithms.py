@@ -82,6 +82,7 @@ def test_the_full_design_sweeps_the_lr_on_held_out_prompts_then_runs_fresh_seeds
     assert all(r == algorithms.SFT_DEMO for r in recipes.values())
     assert result["lr_sweep"]["scratch:4/sao"]["chosen"] == 1e-4 and result["engine_dtype"] == "bf16"
     assert algorithms.run_all.archives == [tmp_path / "archive" / "algorithms"] * 2     # full runs are archived
+    assert sorted(fake_runs) == sorted(sum(algorithms.planned_runs("scratch:4"), []))   # what the progress counts
     assert algorithms.run_all.starts == [("restore", "sft_start_scratch_4"), ("keep", "sft_start_scratch_4")]
     assert result["table"]["scratch:4/sao_ppo_clip"]["per_seed"]["heldout_acc"] == [0.5] * 10
     ppo_clip = fake_runs["scratch_4-sao_ppo_clip-s1"]
