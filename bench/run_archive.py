@@ -91,9 +91,10 @@ def lookup(archive: Path, name: str, recipe: Path, settings: list[str]) -> Optio
     entry = read_entry(entry_path(archive, name))
     if entry is None or entry.get("epoch") != EPOCH:
         return None
-    if _without_paths(entry["resolved"]) != _without_paths(resolve(recipe, settings)):
+    wanted = resolve(recipe, settings)
+    if _without_paths(entry["resolved"]) != _without_paths(wanted):
         return None
-    start = _dotted(resolve(recipe, settings), "model.path")
+    start = _dotted(wanted, "model.path")
     if not Path(start).is_dir() or weights_sha256(Path(start)) != entry["start_sha256"]:
         return None
     return [r for r in entry["rows"] if r.get("step", 0) > 0], float(entry["wall_s"])
