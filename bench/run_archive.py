@@ -42,6 +42,23 @@ PATH_KEYS = ("run.output_dir", "model.path")   # machine-specific; the start is 
 DIGITS = 6
 
 
+WALL_FILE = "bench_wall_s.json"   # a finished run's wall seconds, written by bench/training_runs.py
+
+
+def is_finished(log: Path, run_dir: Path) -> bool:
+    """A run whose log ends with `sao train`'s closing "done:" line and whose metrics and recipe exist."""
+    if not (log.is_file() and (run_dir / "metrics.jsonl").is_file() and (run_dir / "resolved_recipe.toml").is_file()):
+        return False
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return bool(lines) and lines[-1].startswith("done: ")
+
+
+def wall_of(run_dir: Path) -> float:
+    """A finished run's wall seconds; NaN when the invocation that ran it did not record them."""
+    wall_file = Path(run_dir) / WALL_FILE
+    return json.loads(wall_file.read_text())["wall_s"] if wall_file.is_file() else float("nan")
+
+
 def entry_path(archive: Path, name: str) -> Path:
     return Path(archive) / f"{name}.json.gz"
 
@@ -121,25 +138,21 @@ def resolve(recipe: Path, settings: list[str]) -> dict:
 
     import tomli_w
 
-    from sao_megatron.core.config.recipe import _drop_none, load_recipe
+    from checkpoints.arch import load_recipe
 
-    return tomllib.loads(tomli_w.dumps(_drop_none(load_recipe(recipe, settings, check_files=False).to_dict())))
+    return tomllib.loads(tomli_w.dumps(load_recipe(recipe, settings, check_files=False).resolved()))
 
 
 def import_finished(out_root: Path, archive: Path) -> list[str]:
     """Archive every run an out dir holds finished (its log closing with "done:") and the archive lacks at
     this epoch; the names written. For runs a bench started before it archived (or with an archive elsewhere)."""
-    from bench.training_runs import WALL_FILE, is_finished
-
     written = []
     for log in sorted(Path(out_root).glob("*.log")):
         run_dir = log.parent / log.name[:-len(".log")]
         held = read_entry(entry_path(archive, run_dir.name))
         if not is_finished(log, run_dir) or (held is not None and held["epoch"] == EPOCH):
             continue
-        wall_file = run_dir / WALL_FILE
-        wall = json.loads(wall_file.read_text())["wall_s"] if wall_file.is_file() else float("nan")
-        record(archive, run_dir.name, run_dir, log, wall)
+        record(archive, run_dir.name, run_dir, log, wall_of(run_dir))
         written.append(run_dir.name)
     return written
 

@@ -61,7 +61,7 @@ def run_all(specs: list[tuple[str, list[str]]], out_root: Path, jobs: int = 1, r
                 rows = train_run(name, overrides, out_root, timeout_s, recipe)
                 wall = time.perf_counter() - started
                 if (run_dir := Path(out_root).resolve() / name).is_dir():
-                    (run_dir / WALL_FILE).write_text(json.dumps({"wall_s": wall}))
+                    (run_dir / run_archive.WALL_FILE).write_text(json.dumps({"wall_s": wall}))
                     if archive is not None:
                         run_archive.record(archive, name, run_dir, run_dir.parent / f"{name}.log", wall)
                 if walls is not None:
@@ -93,9 +93,6 @@ def _settings(name: str, out_root: Path, overrides: list[str]) -> list[str]:
             f"model.path='{out_root / 'model'}'", *overrides]
 
 
-WALL_FILE = "bench_wall_s.json"   # a finished run's wall seconds, for a later --resume
-
-
 def read_back(name: str, overrides: list[str], out_root: Path, recipe: Path,
               archive: Optional[Path]) -> Optional[tuple[list[dict], float]]:
     """A finished run from out_root, else from the archive (then also None when it has no match). A run
@@ -112,14 +109,6 @@ def read_back(name: str, overrides: list[str], out_root: Path, recipe: Path,
     return run_archive.lookup(archive, name, recipe, _settings(name, Path(out_root).resolve(), overrides))
 
 
-def is_finished(log: Path, run_dir: Path) -> bool:
-    """A run whose log ends with `sao train`'s closing "done:" line and whose metrics and recipe exist."""
-    if not (log.is_file() and (run_dir / "metrics.jsonl").is_file() and (run_dir / "resolved_recipe.toml").is_file()):
-        return False
-    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    return bool(lines) and lines[-1].startswith("done: ")
-
-
 def finished_run(name: str, overrides: list[str], out_root: Path) -> Optional[tuple[list[dict], float]]:
     """(rows, wall seconds) of run `name` when an earlier invocation finished it in `out_root` with these
     overrides: its log ends with `sao train`'s closing "done:" line and its resolved recipe holds the
@@ -128,7 +117,7 @@ def finished_run(name: str, overrides: list[str], out_root: Path) -> Optional[tu
 
     out_root = Path(out_root).resolve()
     log, run_dir = out_root / f"{name}.log", out_root / name
-    if not is_finished(log, run_dir):
+    if not run_archive.is_finished(log, run_dir):
         return None
     resolved = tomllib.loads((run_dir / "resolved_recipe.toml").read_text())
     wanted = {}
@@ -144,9 +133,7 @@ def finished_run(name: str, overrides: list[str], out_root: Path) -> Optional[tu
         if node != value:
             return None
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    wall_file = run_dir / WALL_FILE
-    wall = json.loads(wall_file.read_text())["wall_s"] if wall_file.is_file() else float("nan")
-    return [r for r in rows if r.get("step", 0) > 0], wall
+    return [r for r in rows if r.get("step", 0) > 0], run_archive.wall_of(run_dir)
 
 
 def train_run(name: str, overrides: list[str], out_root: Path, timeout_s: float = 3600.0,

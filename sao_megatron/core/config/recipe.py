@@ -162,13 +162,17 @@ class Recipe:
         out.pop("source")
         return out
 
+    def resolved(self) -> dict:
+        """Every value, presets applied, unset ones left out: what resolved_recipe.toml holds."""
+        return _drop_none(self.to_dict())
+
     def dump(self, run_dir: Path) -> Path:
         """Write the resolved recipe (every value, presets applied) into the run directory."""
         run_dir.mkdir(parents=True, exist_ok=True)
         import tomli_w  # small, pure python; only needed to write
 
         target = run_dir / "resolved_recipe.toml"
-        target.write_text(tomli_w.dumps(_drop_none(self.to_dict())))
+        target.write_text(tomli_w.dumps(self.resolved()))
         return target
 
 

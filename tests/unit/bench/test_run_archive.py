@@ -39,7 +39,7 @@ def finish(out_root, name, overrides, done=True):
     rows = [{"step": 0, "x": 0.0}] + [{"step": s, "rollout/accuracy": s / 3 + 1e-9} for s in (1, 2, 3)]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (out_root / f"{name}.log").write_text("warming up\n" + (f"done: 3 steps; run dir {run_dir}\n" if done else ""))
-    (run_dir / training_runs.WALL_FILE).write_text(json.dumps({"wall_s": 42.0}))
+    (run_dir / run_archive.WALL_FILE).write_text(json.dumps({"wall_s": 42.0}))
     return run_dir
 
 
