@@ -219,8 +219,8 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
         if grid:
             sweep_seeds = SWEEP_SEEDS
             specs = [s for arm in arms for lr in grid for s in specs_for(arm, sweep_seeds, lr, _lr_tag(lr))]
-            rows = run_all(specs, work, jobs=jobs, recipe=setup["recipe"], failures=failed, resume=resume,
-                           reused=reused, archive=archive)
+            rows = run_all(specs, work, jobs=jobs, recipe=setup["recipe"], failures=failed, walls=walls,
+                           resume=resume, reused=reused, archive=archive)
             for arm in arms:
                 score = "heldout_acc" if setup["eval"] else "final_acc"
                 per_lr = {lr: [run_metrics(rows[n])[score] for n, _ in specs_for(arm, sweep_seeds, lr, _lr_tag(lr))
@@ -247,7 +247,8 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
                 "final_reward": mean_ci(per_arm[arm]["final_reward"]), "gain": mean_ci(per_arm[arm]["gain"]),
                 "heldout_acc": mean_ci(per_arm[arm]["heldout_acc"]), "per_seed": per_arm[arm],
                 "seeds": [int(n.rsplit("-s", 1)[1]) for n in names], "lr": chosen[arm],
-                "samples_per_run": sorted({len(rows[n]) * _batch_size(work / n) for n in names})}
+                "samples_per_run": sorted({len(rows[n]) * _batch_size(setup["recipe"], over)
+                                            for n, over in specs_for(arm, seeds, chosen[arm]) if n in rows})}
             curves.setdefault(task, {})[arm] = [series(rows[n], "rollout/accuracy") for n in names]
         starts = [x for v in per_arm.values() for x in v["start_acc"]]
         table[f"{task}/sft_start"] = {"final_acc": mean_ci(starts), "runs": len(starts)}
@@ -257,14 +258,17 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
                            + (f" --tasks {','.join(tasks)}" if explicit else ""), "eval": setup["eval"],
                            "recipe": str(setup["recipe"].relative_to(REPO)), "start": sft_info(model, setup["recipe"], task),
                            "wall_s": time.perf_counter() - started, "date": time.strftime("%Y-%m-%d"), "jobs": jobs,
-                           "arms": arms, "steps": steps}
+                           "arms": arms, "steps": steps, "runs": len(walls),
+                           # every training run's own wall seconds (sweep included), as recorded when it ran:
+                           # with runs read back from the archive, the invocation's wall_s is not the design's
+                           "runs_wall_s": sum(w for w in walls.values() if w == w)}
     for task, per in curves.items():
         plot_curves(per, f"{task} from the SFT start: accuracy per step (mean +- std, {len(seeds)} seeds)",
                     out_dir / f"algorithms_{_slug(task)}.png", ylabel="accuracy")
     first = task_runs[tasks[0]]["start"]
     return {"table": table, "curves": curves, "comparisons": comparisons, "summary": _summary(table),
             "steps": design(TASK, quick, full)[1], "warmup": warmup, "seeds": seeds, "edge": EDGE, "task_runs": task_runs,
-            "start": first, "samples_per_step": _batch_size(work / specs[0][0]), "failed_runs": failed,
+            "start": first, "samples_per_step": _batch_size(setup["recipe"], specs[0][1]), "failed_runs": failed,
             "lr_sweep": sweeps, "engine_dtype": "bf16" if common else "fp32", "reused_runs": reused,
             "archive": _shown(archive)}
 
@@ -352,11 +356,12 @@ def _summary(table: dict) -> str:
     return "\n".join(lines)
 
 
-def _batch_size(run_dir: Path) -> int:
-    """Samples per step the run trained on (rollout.batch_size of its resolved recipe)."""
-    import tomllib
+def _batch_size(recipe: Path, overrides: list[str]) -> int:
+    """Samples per step a run trains on: rollout.batch_size of its recipe with its overrides (the run
+    itself may have been read back from the archive, with no run directory on this machine)."""
+    from checkpoints.arch import load_recipe
 
-    return tomllib.loads((run_dir / "resolved_recipe.toml").read_text())["rollout"]["batch_size"]
+    return load_recipe(recipe, overrides, check_files=False).rollout.batch_size
 
 
 def _previous(path: Path, full: bool) -> dict:

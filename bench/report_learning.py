@@ -97,16 +97,45 @@ def algorithms_section(r: dict, link) -> str:
     runs = r.get("task_runs", {})
     if runs:
         out.append("Rows per task came from: " + "; ".join(
-            f"`{task}`: `{v.get('command', '?')}`" + (f" ({v['wall_s']:.0f} s)" if isinstance(v.get("wall_s"), (int, float)) else "")
-            for task, v in sorted(runs.items())) + ".")
+            f"`{task}`: `{v.get('command', '?')}`" + _task_wall(v) for task, v in sorted(runs.items())) + ".")
     out.append(failures_text(r))
     out.append(_lr_sweep_text(r))
-    if not r.get("full"):
+    if r.get("full"):
+        out.append(_missing_full_tasks(r))
+    else:
         out.append(f"The `--full` version (>= 10 fresh seeds per arm: every arm on the long-horizon `scratch:4` "
                    f"task, SAO and both ablation arms on the multi-turn `agent` task, a learning-rate sweep per arm "
                    f"chosen on held-out prompts, a bf16 engine against the fp32 trainer; bench/algorithms.py "
                    f"FULL_DESIGN): {NOT_RUN}." + _progress_text())
     return "\n\n".join(x for x in out if x)
+
+
+def _task_wall(run: dict) -> str:
+    """A task's wall time: the invocation's and, when it records them, its training runs' own seconds
+    (which is what the design cost when most runs were read back from the archive)."""
+    wall, runs_wall = run.get("wall_s"), run.get("runs_wall_s")
+    if not isinstance(wall, (int, float)):
+        return ""
+    if not isinstance(runs_wall, (int, float)) or not runs_wall:
+        return f" ({wall:.0f} s)"
+    jobs = run.get("jobs") or 1
+    return (f" ({wall:.0f} s for this invocation; its {run.get('runs', '?')} training runs took {runs_wall / 3600:.1f} h "
+            f"as recorded when each ran, {jobs} at a time)")
+
+
+def _missing_full_tasks(r: dict) -> str:
+    """The full design's tasks this file does not hold yet, with how far the archive is on each."""
+    from bench import algorithms
+
+    missing = [t for t in algorithms.TASKS_FULL if t not in r.get("task_runs", {})]
+    if not missing:
+        return ""
+    progress = algorithms.full_progress()
+    parts = [f"`{task}` ({', '.join(algorithms.design(task, quick=False, full=True)[0])}): {NOT_RUN}; the run archive "
+             f"holds {progress[task]['sweep_archived']} of {progress[task]['sweep']} sweep runs and "
+             f"{progress[task]['fresh_archived']} of {progress[task]['fresh']} fresh-seed runs, read back by "
+             f"`sao bench algorithms --full --tasks {task} --resume`" for task in missing]
+    return "The full design's other task" + ("s" if len(missing) > 1 else "") + ": " + "; ".join(parts) + "."
 
 
 def _progress_text() -> str:

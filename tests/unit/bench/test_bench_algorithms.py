@@ -93,7 +93,12 @@ def test_the_full_design_sweeps_the_lr_on_held_out_prompts_then_runs_fresh_seeds
     text = algorithms_section(dict(result, full=True), lambda *a: "")
     assert "scratch:4/sao: 3e-05 -> 0.493, 0.0001 -> 0.500, 0.0003 -> 0.480 (chosen 0.0001, by held-out" in text
     assert "| sao_ppo_clip |" in text and "| sao - sao_ppo_clip | 10 / 10 |" in text
-    assert "held-out accuracy (task:scratch:4:eval)" in text and "not yet run at full size" not in text
+    assert "held-out accuracy (task:scratch:4:eval)" in text
+    # the design's other task is named as not run yet, with the archive's count, and nothing else is
+    assert text.count("not yet run at full size") == 1 and "`agent` (sao, running_mean, sao_ppo_clip): not yet run" in text
+    # what the design cost: every run's own wall time (sweep included), not only this invocation's
+    assert result["task_runs"]["scratch:4"]["runs"] == 112 and result["task_runs"]["scratch:4"]["runs_wall_s"] == 112 * 1.5
+    assert "its 112 training runs took 0.0 h as recorded when each ran" in text
 
 
 def test_the_agent_task_runs_on_the_agent_recipe_from_its_own_sft_start(tmp_path, fake_runs, monkeypatch):
