@@ -164,8 +164,9 @@ class RolloutDriver(EngineHealth, StalenessControl):
         self._current_version = self._next_version = current_version
         last_progress = time.monotonic()
         while True:
-            self._raise_if_failed()
             self._apply_staleness_bound()
+            # a batch already collected is served even when collection has since failed: its samples
+            # are good and the step they make is saved; the failure is raised on the next call
             if self._batch_ready(num_samples, max_tokens):
                 batch = self.buffer.pop(num_samples) if max_tokens is None else self.buffer.pop(max_tokens=max_tokens)
                 self._last_batch, self._last_version, self._wanted = batch, current_version, 0
@@ -173,6 +174,7 @@ class RolloutDriver(EngineHealth, StalenessControl):
                 self._pace, self._next_version = len(batch), current_version + 1
                 self._fill()
                 return batch
+            self._raise_if_failed()
             self._wanted = num_samples
             self._fill()
             self._progress.clear()

@@ -433,7 +433,7 @@ def test_locally_started_engine_killed_mid_collection_is_restarted_and_nothing_i
 
     recipe = load_recipe(None, [f"model.path='{tiny_model_dir}'", f"run.output_dir='{tmp_path}'", "run.name='restart'",
                                 "rollout.task='arithmetic'", "rollout.batch_size=4", "rollout.max_in_flight=4",
-                                "rollout.max_new_tokens=8", "rollout.engine_restarts=1"], check_files=False)
+                                "rollout.max_new_tokens=64", "rollout.engine_restarts=1"], check_files=False)
     recipe.run_dir.mkdir(parents=True)
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
 
@@ -447,7 +447,9 @@ def test_locally_started_engine_killed_mid_collection_is_restarted_and_nothing_i
             await driver.start()
             restarts.start()
             first = await driver.get_batch(4, current_version=0)
-            while not driver._active:
+            # kill while a request is on the engine itself (a sample in _active may be between calls),
+            # with responses long enough that it cannot have answered yet
+            while not driver._load[engines[0].name]:
                 await asyncio.sleep(0.001)
             in_flight = set(driver._active)
             old_pid = handles[0].process.pid
