@@ -68,7 +68,7 @@ def run_all(specs: list[tuple[str, list[str]]], out_root: Path, jobs: int = 1, r
                     walls[name] = wall
                 return rows, errors
             except (RuntimeError, subprocess.TimeoutExpired) as err:
-                errors.append(str(err).splitlines()[0])
+                errors.append(_one_line(err))
         if failures is None:
             raise RuntimeError(f"training run {name} failed twice: {errors}")
         return None, errors
@@ -134,6 +134,14 @@ def finished_run(name: str, overrides: list[str], out_root: Path) -> Optional[tu
             return None
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     return [r for r in rows if r.get("step", 0) > 0], run_archive.wall_of(run_dir)
+
+
+def _one_line(err: BaseException) -> str:
+    """The failure's first line and, when the log tail follows, its last line: the cause, e.g. a recipe error."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    return lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
 
 
 def train_run(name: str, overrides: list[str], out_root: Path, timeout_s: float = 3600.0,

@@ -206,6 +206,7 @@ def test_a_failed_run_is_run_again_and_one_failing_twice_is_left_out_and_named(t
     rows = training_runs.run_all([("first", []), ("flaky", []), ("broken", [])], tmp_path, jobs=2, failures=failed)
     assert set(rows) == {"first", "flaky"} and tries == {"first": 1, "flaky": 2, "broken": 2}
     assert [(f["run"], f["kept"], len(f["errors"])) for f in failed] == [("flaky", True, 1), ("broken", False, 2)]
+    assert failed[1]["errors"][0] == "training run broken failed (exit 1); log broken.log: control call failed"
     text = failures_text({"failed_runs": failed})
     assert "run again from scratch and kept: flaky" in text and "left out of every number above: broken" in text
     with pytest.raises(RuntimeError, match="broken failed twice"):
