@@ -278,9 +278,20 @@ class RLModel:
         """Save through Megatron dist_checkpointing (checkpoint.format = distributed)."""
         return self.recipe.checkpoint.format == "distributed"
 
-    def _sharded_state(self, loading: bool) -> dict:
+    def _sharded_state(self, loading: bool, optimizer: bool = True) -> dict:
         model = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(self.chunks)}
+        if not optimizer:
+            return model
         return {**model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=loading)}
+
+    def _torch_optimizers(self) -> list:
+        return [part.optimizer for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
+
+    def _optimizer_has_state(self) -> bool:
+        """False until the first optimizer step: Adam creates its moments lazily. (The policy has none
+        while the critic warms up.) Megatron's loading plan asks for every moment, so a checkpoint
+        saved before that step carries the weights alone and says so in sao_layout.json."""
+        return any(len(s) for opt in self._torch_optimizers() for s in opt.state.values())
 
     def _optimizer_parts(self) -> int:
         """Megatron builds one Adam without expert parallelism and a dense + expert chain with it."""
@@ -295,10 +306,12 @@ class RLModel:
 
         from megatron.core import dist_checkpointing
 
-        dist_checkpointing.save(self._sharded_state(loading=False), str(path))
+        stepped = self._optimizer_has_state()
+        dist_checkpointing.save(self._sharded_state(loading=False, optimizer=stepped), str(path))
         if torch.distributed.get_rank() == 0:
             (path / "sao_layout.json").write_text(json.dumps({"dims": self.dims.__dict__,
-                                                               "optimizer_parts": self._optimizer_parts()}))
+                                                               "optimizer_parts": self._optimizer_parts(),
+                                                               "optimizer_state": stepped}))
 
     def load_distributed(self, path: Path) -> None:
         """Load a save_distributed checkpoint written under any layout with the same expert-parallel
@@ -314,10 +327,15 @@ class RLModel:
                              f"{saved['dims']['ep']}), this run builds {self._optimizer_parts()} (ep={self.dims.ep}); "
                              "fix: resume with expert parallelism on (ep > 1) or off (ep = 1) as it was saved, "
                              "or start from the weights alone through `sao convert`")
-        loaded = dist_checkpointing.load(self._sharded_state(loading=True), str(path))
+        stepped = saved.get("optimizer_state", True)
+        loaded = dist_checkpointing.load(self._sharded_state(loading=True, optimizer=stepped), str(path))
         for i, chunk in enumerate(self.chunks):
             chunk.module.load_state_dict(loaded[f"model{i}"])
-        self.optimizer.load_state_dict(loaded["optimizer"])
+        if stepped:
+            self.optimizer.load_state_dict(loaded["optimizer"])
+        else:                                          # saved before the first step: Adam as it was then
+            for opt in self._torch_optimizers():
+                opt.state.clear()
 
     def state_dict_for_checkpoint(self) -> dict:
         """This rank's model shards and optimizer state (checkpoint.format = per_rank: same layout only)."""

@@ -14,7 +14,7 @@ def _steps(model, batches, n: int) -> list[dict]:
     return [model.train_step(batches[i % 2 * 2:i % 2 * 2 + 2], lc.policy_gradient_loss) for i in range(n)]
 
 
-def _scenario(model_dir: str, ckpt_root: str, fmt: str = "distributed") -> dict:
+def _scenario(model_dir: str, ckpt_root: str, fmt: str = "distributed", at: int = 2) -> dict:
     from safetensors.torch import load_file
 
     from checkpoints.run_state import RngState, RunCheckpointer
@@ -22,6 +22,7 @@ def _scenario(model_dir: str, ckpt_root: str, fmt: str = "distributed") -> dict:
     from parallel.distributed import teardown_model_parallel
     from parallel.rl_model import RLModel
 
+    assert at % 2 == 0, "the batches alternate: save after an even number of steps"
     hf = load_file(f"{model_dir}/model.safetensors")
     batches = lc.fixed_batches(105, num=4, seq=12)
 
@@ -35,19 +36,22 @@ def _scenario(model_dir: str, ckpt_root: str, fmt: str = "distributed") -> dict:
 
     full = _steps(fresh(), batches, 4)
     first = fresh()
-    _steps(first, batches, 2)
-    RunCheckpointer(ckpt_root).save(2, {"policy": first, "rng": RngState()})
+    _steps(first, batches, at)
+    RunCheckpointer(ckpt_root).save(max(at, 1), {"policy": first, "rng": RngState()})
     second = fresh()                                   # new weights and a new optimizer ...
     RunCheckpointer(ckpt_root).load({"policy": second, "rng": RngState()})   # ... restored from disk
-    resumed = _steps(second, batches, 2)               # steps 3, 4 use batches 0-1, 2-3 as in the full run
+    resumed = _steps(second, batches, 4 - at)          # steps at+1.. use the batches the full run used
     teardown_model_parallel()
-    return {"full": full[2:], "resumed": resumed}
+    return {"full": full[at:], "resumed": resumed}
 
 
-@pytest.mark.parametrize("fmt", ["distributed", "per_rank"])
-def test_rlmodel_resume_matches_uninterrupted_run(tiny_model_dir, tmp_path, fmt):
+@pytest.mark.parametrize("fmt,at", [("distributed", 2), ("per_rank", 2), ("distributed", 0), ("per_rank", 0)],
+                         ids=["distributed", "per_rank", "distributed-before-first-step", "per_rank-before-first-step"])
+def test_rlmodel_resume_matches_uninterrupted_run(tiny_model_dir, tmp_path, fmt, at):
+    """at = 0: saved before the policy's first optimizer step (as while the critic warms up), when Adam
+    has no moments yet; the resume must load the weights and start Adam afresh, as the run would have."""
     out = run_distributed_test(_scenario, world_size=1, timeout_s=600,
-                               args=(str(tiny_model_dir), str(tmp_path), fmt))[0]
+                               args=(str(tiny_model_dir), str(tmp_path), fmt, at))[0]
     keys = ("loss", "grad_norm")
     assert all(k in out["full"][0] for k in keys)
     assert [[m[k] for k in keys] for m in out["resumed"]] == [[m[k] for k in keys] for m in out["full"]]
