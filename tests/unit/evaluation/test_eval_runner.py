@@ -17,7 +17,7 @@ def engine(tiny_model_dir):
     server.stop()
 
 
-def _evaluate(server, tiny_model_dir, seed, max_new_tokens=4, context_length=None):
+def _evaluate(server, tiny_model_dir, seed, max_new_tokens=4, context_length=None, k=4, problems=6):
     from transformers import AutoTokenizer
 
     from rollout.engines.sglang_client import SGLangEngine
@@ -27,7 +27,7 @@ def _evaluate(server, tiny_model_dir, seed, max_new_tokens=4, context_length=Non
         client = SGLangEngine(server.url, api_key="k", name="eval")
         try:
             return await evaluate_all([client], AutoTokenizer.from_pretrained(tiny_model_dir),
-                                      EvalConfig(datasets=["task:arithmetic"], k=4, max_problems=6),
+                                      EvalConfig(datasets=["task:arithmetic"], k=k, max_problems=problems),
                                       RolloutConfig(max_new_tokens=max_new_tokens), seed=seed,
                                       context_length=context_length)
         finally:
@@ -49,7 +49,8 @@ def test_eval_caps_max_new_tokens_to_the_context_and_scores_a_prompt_that_does_n
     """The server (context 256, the tiny model's) refuses prompt + max_new_tokens past 256 as SGLang
     does; the eval caps each request to fit instead. A prompt that alone does not fit is never sent:
     it scores 0 and is counted in `errors`."""
-    capped = _evaluate(engine, tiny_model_dir, seed=3, max_new_tokens=300, context_length=256)
-    assert capped["eval/arithmetic/problems"] == 6 and "eval/arithmetic/errors" not in capped
+    # 2 problems x 1 sample: each runs to the context's end (a random model), ~240 tokens apiece
+    capped = _evaluate(engine, tiny_model_dir, seed=3, max_new_tokens=300, context_length=256, k=1, problems=2)
+    assert capped["eval/arithmetic/problems"] == 2 and "eval/arithmetic/errors" not in capped
     tight = _evaluate(engine, tiny_model_dir, seed=3, context_length=5)
     assert tight["eval/arithmetic/errors"] == 24 and tight["eval/arithmetic/pass@4"] == 0.0
