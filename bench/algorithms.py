@@ -258,7 +258,9 @@ def run(quick: bool = False, out_dir: Path = Path("results"), full: bool = False
                            + (f" --tasks {','.join(tasks)}" if explicit else ""), "eval": setup["eval"],
                            "recipe": str(setup["recipe"].relative_to(REPO)), "start": sft_info(model, setup["recipe"], task),
                            "wall_s": time.perf_counter() - started, "date": time.strftime("%Y-%m-%d"), "jobs": jobs,
-                           "arms": arms, "steps": steps, "runs": len(walls),
+                           "arms": arms, "steps": steps, "warmup": warmup, "runs": len(walls),
+                           "samples_per_step": _batch_size(setup["recipe"], specs[0][1]),
+                           "reused": len(set(walls) & set(reused)),
                            # every training run's own wall seconds (sweep included), as recorded when it ran:
                            # with runs read back from the archive, the invocation's wall_s is not the design's
                            "runs_wall_s": sum(w for w in walls.values() if w == w)}

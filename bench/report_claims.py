@@ -17,7 +17,7 @@ import math
 import statistics
 from typing import Optional
 
-from bench.report_format import md_table
+from bench.report_format import md_table, task_order
 from bench.stats import ALPHA, compare, fisher_exact, holm, one_sample, test_text, verdict
 
 SECONDARY = "secondary source"
@@ -94,9 +94,8 @@ def per_seed(algos: dict, task: str, algo: str, key: str = "final_acc") -> Optio
 def _algorithm_rows(algos: Optional[dict]) -> list[dict]:
     if not algos:
         return []
-    tasks = sorted({key.split("/")[0] for key in algos["table"]})
     rows = []
-    for task in tasks:
+    for task in task_order(algos):
         for claim, figure, key in ALGORITHM_CLAIMS:
             if key.startswith("gain:"):
                 gains = per_seed(algos, task, key.split(":")[1], "gain")

@@ -22,3 +22,11 @@ def md_table(header: list[str], rows: list[list]) -> str:
 
 def met(ok: bool) -> str:
     return "met" if ok else "NOT met"
+
+
+def task_order(algos: dict) -> list[str]:
+    """The tasks of an algorithms result in the order its command named them (task_runs), then any
+    other task its table holds, sorted."""
+    held = {key.split("/")[0] for key in algos.get("table", {})}
+    named = [t for t in algos.get("task_runs", {}) if t in held]
+    return named + sorted(held - set(named))

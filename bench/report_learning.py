@@ -11,7 +11,7 @@ import math
 import statistics
 from typing import Optional
 
-from bench.report_format import md_table, pm
+from bench.report_format import md_table, pm, task_order
 from bench.report_tests import INTERVAL_NOTE, differences, seed_ci
 from bench.stats import ci_text
 
@@ -55,16 +55,14 @@ def _demo_verdict(r: dict) -> str:
 
 
 def algorithms_section(r: dict, link) -> str:
-    table, start = r["table"], r.get("start", {})
-    tasks = sorted({key.split("/")[0] for key in table})
+    table = r["table"]
+    tasks = task_order(r)
     seeds = len(r.get("seeds", []))
-    out = [f"Every run starts RL from one SFT model (`sao sft {start.get('recipe', '?')}`: {start.get('sft_steps', '?')} "
-           f"steps on `{start.get('task', '?')}`) and runs the demo recipe with only the algorithm changed: "
-           f"{r.get('steps', '?')} policy steps (+{r.get('warmup', '?')} critic warm-up steps for SAO and PPO, given "
-           f"to the group methods as extra steps), {r.get('samples_per_step', '?')} samples per step for every method "
-           f"(group methods: 16 prompts x 4), {seeds} seeds. Final = mean accuracy of the last {r.get('edge', 10)} "
-           f"steps; gain = final minus the run's first batch (sampled by the SFT model); AUC = mean accuracy over "
-           f"all steps. " + INTERVAL_NOTE]
+    out = [f"Every run starts RL from its task's SFT model and runs the task's recipe with only the algorithm "
+           f"changed: the critic's warm-up steps for SAO and PPO are given to the methods without a critic as extra "
+           f"steps, and every method trains on the same samples per step (group methods: a quarter of the prompts "
+           f"x 4), {seeds} seeds. Final = mean accuracy of the last {r.get('edge', 10)} steps; gain = final minus "
+           f"the run's first batch (sampled by the SFT model); AUC = mean accuracy over all steps. " + INTERVAL_NOTE]
     for task in tasks:
         rows = []
         for key, v in table.items():
@@ -85,9 +83,7 @@ def algorithms_section(r: dict, link) -> str:
                          " / ".join(str(n) for n in v.get("samples_per_run", [])),
                          f"{v['lr']:g}" if v.get("lr") else "recipe's",
                          f"{statistics.fmean(wall):.0f}" if wall else "not recorded"])
-        design = r.get("task_runs", {}).get(task, {})
-        out.append(f"**`{task}`**" + (f" ({design['steps']} policy steps; the design's arms on this task: "
-                                      f"{', '.join(design['arms'])})" if design.get("arms") else ""))
+        out.append(f"**`{task}`**" + _task_design(r, task))
         held = (r.get("task_runs", {}).get(task, {}).get("eval") or "none: this task has no held-out split")
         out.append(md_table(["algorithm", "final accuracy", f"held-out accuracy ({held})", "gain (points)",
                              "AUC accuracy", "final reward", "samples per run", "policy lr", "wall s per run"], rows))
@@ -97,7 +93,7 @@ def algorithms_section(r: dict, link) -> str:
     runs = r.get("task_runs", {})
     if runs:
         out.append("Rows per task came from: " + "; ".join(
-            f"`{task}`: `{v.get('command', '?')}`" + _task_wall(v) for task, v in sorted(runs.items())) + ".")
+            f"`{task}`: `{v.get('command', '?')}`" + _task_wall(v) for task, v in runs.items()) + ".")
     out.append(failures_text(r))
     out.append(_lr_sweep_text(r))
     if r.get("full"):
@@ -110,6 +106,19 @@ def algorithms_section(r: dict, link) -> str:
     return "\n\n".join(x for x in out if x)
 
 
+def _task_design(r: dict, task: str) -> str:
+    """A task's SFT start, steps, samples per step and arms (task_runs; older files kept them once, at the top)."""
+    run = r.get("task_runs", {}).get(task, {})
+    start = run.get("start") or r.get("start", {})
+    steps = run.get("steps", r.get("steps", "?"))
+    warmup = run.get("warmup", r.get("warmup", "?"))
+    samples = run.get("samples_per_step") or (r.get("samples_per_step", "?") if len(task_order(r)) == 1 else "?")
+    arms = f"; the design's arms on this task: {', '.join(run['arms'])}" if run.get("arms") else ""
+    return (f" (from `sao sft {start.get('recipe', '?')}`: {start.get('sft_steps', '?')} steps on "
+            f"`{start.get('task', task)}`; {steps} policy steps, +{warmup} critic warm-up steps; {samples} samples "
+            f"per step{arms})")
+
+
 def _task_wall(run: dict) -> str:
     """A task's wall time: the invocation's and, when it records them, its training runs' own seconds
     (which is what the design cost when most runs were read back from the archive)."""
@@ -118,9 +127,12 @@ def _task_wall(run: dict) -> str:
         return ""
     if not isinstance(runs_wall, (int, float)) or not runs_wall:
         return f" ({wall:.0f} s)"
-    jobs = run.get("jobs") or 1
-    return (f" ({wall:.0f} s for this invocation; its {run.get('runs', '?')} training runs took {runs_wall / 3600:.1f} h "
-            f"as recorded when each ran, {jobs} at a time)")
+    reused, runs = run.get("reused"), run.get("runs", "?")
+    if isinstance(reused, int) and reused > 0:      # read back: how many ran side by side then is not recorded
+        how = "as recorded when each ran" + ("" if reused == runs else f"; {reused} of them read back")
+    else:
+        how = f"{run.get('jobs') or 1} at a time"
+    return (f" ({wall:.0f} s for this invocation; its {runs} training runs took {runs_wall / 3600:.1f} h, {how})")
 
 
 def _missing_full_tasks(r: dict) -> str:

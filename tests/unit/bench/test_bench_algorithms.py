@@ -98,7 +98,20 @@ def test_the_full_design_sweeps_the_lr_on_held_out_prompts_then_runs_fresh_seeds
     assert text.count("not yet run at full size") == 1 and "`agent` (sao, running_mean, sao_ppo_clip): not yet run" in text
     # what the design cost: every run's own wall time (sweep included), not only this invocation's
     assert result["task_runs"]["scratch:4"]["runs"] == 112 and result["task_runs"]["scratch:4"]["runs_wall_s"] == 112 * 1.5
-    assert "its 112 training runs took 0.0 h as recorded when each ran" in text
+    assert "its 112 training runs took 0.0 h, 1 at a time" in text
+    # each task states its own start, steps and samples per step (the agent task's differ from scratch's)
+    run = result["task_runs"]["scratch:4"]
+    assert run["samples_per_step"] == algorithms._batch_size(algorithms.SFT_DEMO, []) and run["warmup"] == 10
+    assert f"200 policy steps, +10 critic warm-up steps; {run['samples_per_step']} samples per step;" in text
+
+
+def test_a_design_read_back_from_the_archive_states_its_runs_wall_time_without_a_concurrency_it_did_not_record():
+    from bench.report_learning import _task_wall
+
+    run = {"wall_s": 2.0, "runs_wall_s": 7200.0, "runs": 48, "jobs": 1}
+    assert _task_wall(dict(run, reused=0)).endswith("its 48 training runs took 2.0 h, 1 at a time)")
+    assert _task_wall(dict(run, reused=48)).endswith("took 2.0 h, as recorded when each ran)")
+    assert _task_wall(dict(run, reused=40)).endswith("as recorded when each ran; 40 of them read back)")
 
 
 def test_the_agent_task_runs_on_the_agent_recipe_from_its_own_sft_start(tmp_path, fake_runs, monkeypatch):
@@ -122,7 +135,10 @@ def test_the_agent_task_runs_on_the_agent_recipe_from_its_own_sft_start(tmp_path
     from bench.report_learning import algorithms_section
 
     text = algorithms_section(dict(result, full=True), lambda *a: "")
-    assert "**`agent`** (100 policy steps; the design's arms on this task: sao, running_mean, sao_ppo_clip)" in text
+    samples = result["task_runs"]["agent"]["samples_per_step"]
+    assert samples == algorithms._batch_size(algorithms.AGENT_RECIPE, [])
+    assert (f"100 policy steps, +10 critic warm-up steps; {samples} samples per step; the design's arms on this "
+            "task: sao, running_mean, sao_ppo_clip)") in text
     rows = _algorithm_rows(dict(result, full=True))   # claims against arms --full does not run here are not rows
     assert rows and not any("not yet run" in row["measured"] for row in rows)
 
