@@ -11,6 +11,7 @@ import os
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -202,7 +203,7 @@ def plot_curves(curves: dict[str, list[list[float]]], title: str, path: Path, yl
         ax.fill_between(steps, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)], alpha=0.2)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set_title("\n".join(textwrap.wrap(title, 70)), fontsize=10)      # long titles stay inside the figure
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
