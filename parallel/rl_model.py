@@ -284,8 +284,12 @@ class RLModel:
             return model
         return {**model, "optimizer": self.optimizer.sharded_state_dict(model, is_loading=loading)}
 
+    def _optimizer_chain(self) -> list:
+        """Megatron builds one Adam without expert parallelism and a dense + expert chain with it."""
+        return getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+
     def _torch_optimizers(self) -> list:
-        return [part.optimizer for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
+        return [part.optimizer for part in self._optimizer_chain()]
 
     def _optimizer_has_state(self) -> bool:
         """False until the first optimizer step: Adam creates its moments lazily. (The policy has none
@@ -294,8 +298,7 @@ class RLModel:
         return any(len(s) for opt in self._torch_optimizers() for s in opt.state.values())
 
     def _optimizer_parts(self) -> int:
-        """Megatron builds one Adam without expert parallelism and a dense + expert chain with it."""
-        return len(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+        return len(self._optimizer_chain())
 
     def save_distributed(self, path: Path) -> None:
         """Megatron distributed checkpoint (torch_dist) of the model and optimizer into the existing
